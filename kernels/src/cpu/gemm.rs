@@ -1,0 +1,178 @@
+//! Threaded matrix products over stored-format weights: `out[t, r] = Σ_c W[r, c] · x[t, c]`.
+//!
+//! Work is split by blocks of output rows, so each weight byte is read once per call whatever the
+//! token count. Decode (one token, BF16) dots the stored rows directly; otherwise four rows are
+//! widened to f32 once and multiplied against the tokens four at a time in registers.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::bf16::dot4_bf16;
+use super::simd::{self, SimdLevel, simd_level};
+use crate::Matrix;
+
+/// Below this many multiply-adds a call runs on the calling thread (thread hand-off costs more).
+const SERIAL_WORK: usize = 1 << 16;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of output columns (its own rows of W).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
+    assert_eq!(out.len(), tokens * rows, "matmul: out has {} values, want {tokens}×{rows}", out.len());
+    if tokens == 0 || rows == 0 {
+        return;
+    }
+    if cols == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let work = rows * cols * tokens;
+    let threads = rayon::current_num_threads().max(1);
+    let ptr = OutPtr(out.as_mut_ptr());
+    if work < SERIAL_WORK || threads == 1 {
+        compute_rows(w, x, tokens, 0, rows, ptr);
+        return;
+    }
+    // About 8 tasks per thread for balance, in multiples of 4 rows.
+    let block = rows.div_ceil(threads * 8).next_multiple_of(4).max(4);
+    let nblocks = rows.div_ceil(block);
+    (0..nblocks).into_par_iter().for_each(|b| {
+        let r0 = b * block;
+        compute_rows(w, x, tokens, r0, (r0 + block).min(rows), ptr);
+    });
+}
+
+fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out: OutPtr) {
+    let rows = w.rows();
+    let cols = w.cols();
+    let store = |t: usize, r: usize, v: f32| {
+        // SAFETY: t < tokens and r0 <= r < r1 <= rows; rows r0..r1 belong to this task only.
+        unsafe { *out.0.add(t * rows + r) = v };
+    };
+    if let (Matrix::Bf16(m), 1) = (w, tokens) {
+        let mut r = r0;
+        while r < r1 {
+            let n = (r1 - r).min(4);
+            let pick = |i: usize| m.row(r + i.min(n - 1));
+            let v = dot4_bf16([pick(0), pick(1), pick(2), pick(3)], x);
+            for (i, val) in v.iter().take(n).enumerate() {
+                store(0, r + i, *val);
+            }
+            r += n;
+        }
+        return;
+    }
+    SCRATCH.with(|s| {
+        let mut scratch = s.borrow_mut();
+        if scratch.len() < 4 * cols {
+            scratch.resize(4 * cols, 0.0);
+        }
+        let mut r = r0;
+        while r < r1 {
+            let n = (r1 - r).min(4);
+            for i in 0..4 {
+                let src = r + i.min(n - 1);
+                w.row_to_f32(src, &mut scratch[i * cols..(i + 1) * cols]);
+            }
+            let wt = &scratch[..4 * cols];
+            let mut t = 0;
+            while t < tokens {
+                let nt = (tokens - t).min(4);
+                let xs: [&[f32]; 4] =
+                    std::array::from_fn(|j| &x[(t + j.min(nt - 1)) * cols..(t + j.min(nt - 1) + 1) * cols]);
+                let tile = dot_tile(wt, cols, &xs);
+                for (j, row) in tile.iter().take(nt).enumerate() {
+                    for (i, val) in row.iter().take(n).enumerate() {
+                        store(t + j, r + i, *val);
+                    }
+                }
+                t += nt;
+            }
+            r += n;
+        }
+    });
+}
+
+/// `[token j][row i]` dot products of four f32 rows (`w`, `4 × cols`) with four vectors.
+fn dot_tile(w: &[f32], cols: usize, xs: &[&[f32]; 4]) -> [[f32; 4]; 4] {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; all slices hold `cols` values.
+        SimdLevel::Avx512 => unsafe { x86::tile_avx512(w, cols, xs) },
+        _ => {
+            let mut out = [[0f32; 4]; 4];
+            for (j, x) in xs.iter().enumerate() {
+                for (i, o) in out[j].iter_mut().enumerate() {
+                    *o = simd::dot(&w[i * cols..(i + 1) * cols], x);
+                }
+            }
+            out
+        }
+    }
+}
+
+/// `out[c] = Σ_r x[r] · W[r, c]` (Wᵀ x).
+pub fn matvec_transposed(w: &Matrix, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), w.rows(), "matvec_transposed: x length");
+    assert_eq!(out.len(), w.cols(), "matvec_transposed: out length");
+    out.fill(0.0);
+    SCRATCH.with(|s| {
+        let mut scratch = s.borrow_mut();
+        if scratch.len() < w.cols() {
+            scratch.resize(w.cols(), 0.0);
+        }
+        let row = &mut scratch[..w.cols()];
+        for (r, &xr) in x.iter().enumerate() {
+            w.row_to_f32(r, row);
+            simd::axpy(xr, row, out);
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_avx512(w: &[f32], cols: usize, xs: &[&[f32]; 4]) -> [[f32; 4]; 4] {
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut c = 0;
+        unsafe {
+            let step = |c: usize, m: __mmask16, acc: &mut [[__m512; 4]; 4]| {
+                let wv: [__m512; 4] =
+                    std::array::from_fn(|i| _mm512_maskz_loadu_ps(m, w.as_ptr().add(i * cols + c)));
+                for j in 0..4 {
+                    let xv = _mm512_maskz_loadu_ps(m, xs[j].as_ptr().add(c));
+                    for i in 0..4 {
+                        acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+                    }
+                }
+            };
+            while c + 16 <= cols {
+                step(c, 0xffff, &mut acc);
+                c += 16;
+            }
+            if c < cols {
+                let m = ((1u32 << (cols - c)) - 1) as __mmask16;
+                step(c, m, &mut acc);
+            }
+        }
+        let mut out = [[0f32; 4]; 4];
+        for j in 0..4 {
+            for i in 0..4 {
+                out[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+            }
+        }
+        out
+    }
+}

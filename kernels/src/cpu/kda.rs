@@ -1,0 +1,178 @@
+//! Kimi Delta Attention core for one head (spec §2.4): the token recurrence (decode) and the
+//! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
+//! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
+
+use super::simd::{axpy, dot};
+
+/// Tokens per chunk in the chunked prefill (fla's C).
+pub const CHUNK: usize = 64;
+
+/// One recurrent step: decay, error against the decayed state, delta-rule write, read.
+/// `q` is already L2-normalised and scaled, `k` L2-normalised, `g` the per-key log decay.
+pub fn kda_step(
+    state: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    out: &mut [f32],
+) {
+    let dk = k.len();
+    let dv = v.len();
+    debug_assert_eq!(state.len(), dk * dv);
+    // pred = S_decᵀ k and read = S_decᵀ q, in one pass over the decayed rows.
+    let mut pred = vec![0f32; dv];
+    out.fill(0.0);
+    for j in 0..dk {
+        let row = &mut state[j * dv..(j + 1) * dv];
+        let d = g[j].exp();
+        row.iter_mut().for_each(|s| *s *= d);
+        axpy(k[j], row, &mut pred);
+        axpy(q[j], row, out);
+    }
+    // e = v − pred; S += β k eᵀ; o = S_decᵀ q + β (k·q) e.
+    let err: Vec<f32> = v.iter().zip(&pred).map(|(a, b)| beta * (a - b)).collect();
+    for j in 0..dk {
+        axpy(k[j], &err, &mut state[j * dv..(j + 1) * dv]);
+    }
+    axpy(dot(k, q), &err, out);
+}
+
+/// Scratch reused across chunks and heads by one thread.
+#[derive(Default)]
+pub struct ChunkScratch {
+    gamma: Vec<f32>,
+    akk: Vec<f32>,
+    aqk: Vec<f32>,
+    delta: Vec<f32>,
+    tmp: Vec<f32>,
+}
+
+/// Processes `n ≤ CHUNK` tokens of one head in the WY/UT form and advances `state`.
+/// Layouts: `q`, `k`, `g` `[n, K]`; `v`, `out` `[n, V]`; `beta` `[n]`.
+/// Decay factors only ever appear as e^{Γ_i − Γ_j} with i ≥ j (never e^{Γ_i}·e^{−Γ_j}), so
+/// nothing overflows however strong the decay.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk(
+    state: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    out: &mut [f32],
+    dk: usize,
+    dv: usize,
+    s: &mut ChunkScratch,
+) {
+    let n = beta.len();
+    debug_assert!(n <= CHUNK);
+    s.gamma.clear();
+    s.gamma.resize(n * dk, 0.0);
+    for i in 0..n {
+        for c in 0..dk {
+            let prev = if i == 0 { 0.0 } else { s.gamma[(i - 1) * dk + c] };
+            s.gamma[i * dk + c] = prev + g[i * dk + c];
+        }
+    }
+    let gam = &s.gamma;
+    // A_kk (strictly lower, includes β_i) and A_qk (lower incl. diagonal).
+    s.akk.clear();
+    s.akk.resize(n * n, 0.0);
+    s.aqk.clear();
+    s.aqk.resize(n * n, 0.0);
+    for i in 0..n {
+        let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
+        for j in 0..=i {
+            let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
+            let (mut sq, mut sk) = (0f32, 0f32);
+            for c in 0..dk {
+                let kw = kj[c] * (gi[c] - gj[c]).exp();
+                sq += qi[c] * kw;
+                sk += ki[c] * kw;
+            }
+            s.aqk[i * n + j] = sq;
+            if j < i {
+                s.akk[i * n + j] = beta[i] * sk;
+            }
+        }
+    }
+    // Δ = (I + A_kk)⁻¹ diag(β) (v − (e^Γ ⊙ k) S₀) by forward substitution, row by row.
+    s.delta.clear();
+    s.delta.resize(n * dv, 0.0);
+    s.tmp.clear();
+    s.tmp.resize(dk, 0.0);
+    for i in 0..n {
+        let gi = &gam[i * dk..(i + 1) * dk];
+        let ki = &k[i * dk..(i + 1) * dk];
+        let (done, rest) = s.delta.split_at_mut(i * dv);
+        let di = &mut rest[..dv];
+        di.copy_from_slice(&v[i * dv..(i + 1) * dv]);
+        for c in 0..dk {
+            axpy(-(ki[c] * gi[c].exp()), &state[c * dv..(c + 1) * dv], di);
+        }
+        di.iter_mut().for_each(|x| *x *= beta[i]);
+        for j in 0..i {
+            axpy(-s.akk[i * n + j], &done[j * dv..(j + 1) * dv], di);
+        }
+    }
+    // O_i = (q_i ⊙ e^{Γ_i}) S₀ + Σ_{j≤i} A_qk[i,j] Δ_j.
+    for i in 0..n {
+        let gi = &gam[i * dk..(i + 1) * dk];
+        let qi = &q[i * dk..(i + 1) * dk];
+        let oi = &mut out[i * dv..(i + 1) * dv];
+        oi.fill(0.0);
+        for c in 0..dk {
+            axpy(qi[c] * gi[c].exp(), &state[c * dv..(c + 1) * dv], oi);
+        }
+        for j in 0..=i {
+            axpy(s.aqk[i * n + j], &s.delta[j * dv..(j + 1) * dv], oi);
+        }
+    }
+    // S_C = diag(e^{Γ_C}) S₀ + Σ_i (k_i ⊙ e^{Γ_C − Γ_i}) Δ_iᵀ.
+    let last = &gam[(n - 1) * dk..n * dk];
+    for c in 0..dk {
+        let row = &mut state[c * dv..(c + 1) * dv];
+        let d = last[c].exp();
+        row.iter_mut().for_each(|x| *x *= d);
+        for i in 0..n {
+            let w = k[i * dk + c] * (last[c] - gam[i * dk + c]).exp();
+            axpy(w, &s.delta[i * dv..(i + 1) * dv], row);
+        }
+    }
+}
+
+/// Runs `tokens` tokens of one head through the chunked form (chunks of `CHUNK`, last one partial).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_prefill(
+    state: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    out: &mut [f32],
+    dk: usize,
+    dv: usize,
+) {
+    let mut scratch = ChunkScratch::default();
+    let tokens = beta.len();
+    let mut t0 = 0;
+    while t0 < tokens {
+        let t1 = (t0 + CHUNK).min(tokens);
+        kda_chunk(
+            state,
+            &q[t0 * dk..t1 * dk],
+            &k[t0 * dk..t1 * dk],
+            &v[t0 * dv..t1 * dv],
+            &g[t0 * dk..t1 * dk],
+            &beta[t0..t1],
+            &mut out[t0 * dv..t1 * dv],
+            dk,
+            dv,
+            &mut scratch,
+        );
+        t0 = t1;
+    }
+}

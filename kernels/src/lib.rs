@@ -1,0 +1,77 @@
+//! `kimi-kernels`: every numeric op the Kimi engine runs, behind one API.
+//!
+//! Today only the CPU backend exists (`cpu`): runtime-dispatched AVX-512 / AVX2 code with a scalar
+//! fallback, threaded with rayon. Weights are borrowed in their stored formats (BF16, MXFP4) and
+//! never dequantised up front; accumulation is always f32.
+
+pub mod cpu;
+
+pub use cpu::bf16::Bf16Matrix;
+pub use cpu::mxfp4::Mxfp4Matrix;
+pub use cpu::simd::{SimdLevel, simd_level};
+
+/// A weight matrix `[rows, cols]` (PyTorch `[out, in]`) in one of the stored formats.
+#[derive(Clone, Copy, Debug)]
+pub enum Matrix<'a> {
+    Bf16(Bf16Matrix<'a>),
+    F32(F32Matrix<'a>),
+    Mxfp4(Mxfp4Matrix<'a>),
+}
+
+/// A plain f32 matrix `[rows, cols]`, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct F32Matrix<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> Matrix<'a> {
+    pub fn rows(&self) -> usize {
+        match self {
+            Matrix::Bf16(m) => m.rows,
+            Matrix::F32(m) => m.rows,
+            Matrix::Mxfp4(m) => m.rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Matrix::Bf16(m) => m.cols,
+            Matrix::F32(m) => m.cols,
+            Matrix::Mxfp4(m) => m.cols,
+        }
+    }
+
+    /// `out[t, r] = Σ_c self[r, c] · x[t, c]` for `t` in `0..tokens` (y = W x per token).
+    pub fn matmul(&self, x: &[f32], tokens: usize, out: &mut [f32]) {
+        cpu::gemm::matmul(self, x, tokens, out)
+    }
+
+    /// Rows `start..start+len` as a matrix of their own (a view, no copy).
+    pub fn row_range(&self, start: usize, len: usize) -> Matrix<'a> {
+        match self {
+            Matrix::Bf16(m) => Matrix::Bf16(m.row_range(start, len)),
+            Matrix::F32(m) => Matrix::F32(F32Matrix {
+                data: &m.data[start * m.cols..(start + len) * m.cols],
+                rows: len,
+                cols: m.cols,
+            }),
+            Matrix::Mxfp4(m) => Matrix::Mxfp4(m.row_range(start, len)),
+        }
+    }
+
+    /// Writes row `r` as f32 into `out` (`cols` values).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        match self {
+            Matrix::Bf16(m) => m.row_to_f32(r, out),
+            Matrix::F32(m) => out.copy_from_slice(&m.data[r * m.cols..(r + 1) * m.cols]),
+            Matrix::Mxfp4(m) => m.row_to_f32(r, out),
+        }
+    }
+
+    /// `out[c] = Σ_r x[r] · self[r, c]` (y = Wᵀ x), single vector; used by absorbed MLA.
+    pub fn matvec_transposed(&self, x: &[f32], out: &mut [f32]) {
+        cpu::gemm::matvec_transposed(self, x, out)
+    }
+}
