@@ -1,0 +1,6 @@
+//! kimi-host: an inference host for the Kimi-K3 model family.
+//!
+//! Today: the text model on the CPU (`model`). The tokenizer, plugin runtime, engine and server
+//! follow (see the repository README).
+
+pub mod model;

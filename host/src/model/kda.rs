@@ -1,0 +1,179 @@
+//! Kimi Delta Attention layer (spec §2.4): projections, short convolutions, gates, the delta-rule
+//! core (chunked for prefill, recurrent for decode; kernels in `kimi_kernels::cpu::kda`), the
+//! sigmoid-gated output norm and `o_proj`.
+
+use rayon::prelude::*;
+
+use kimi_kernels::cpu::kda::{kda_prefill, kda_step};
+
+use super::config::TextConfig;
+use super::error::ModelError;
+use super::norm::{inv_rms, l2_norm, sigmoid, silu};
+use super::state::KdaState;
+use super::weights::{TensorSource, Weight};
+
+/// The output-gate projection: full rank (K3) or low rank `g_b(g_a x)`.
+enum OutputGate {
+    Full(Weight),
+    LowRank(Weight, Weight),
+}
+
+pub struct KdaLayer {
+    q_proj: Weight,
+    k_proj: Weight,
+    v_proj: Weight,
+    f_a: Weight,
+    f_b: Weight,
+    b_proj: Weight,
+    gate: OutputGate,
+    /// Depthwise conv taps `[P, W]`, oldest → newest, for q, k, v.
+    conv: [Vec<f32>; 3],
+    /// exp(A_log[h]) per head (first H stored values).
+    a_exp: Vec<f32>,
+    dt_bias: Vec<f32>,
+    o_norm: Vec<f32>,
+    o_proj: Weight,
+    heads: usize,
+    head_dim: usize,
+    kernel: usize,
+    lower_bound: f32,
+    eps: f32,
+}
+
+impl KdaLayer {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<KdaLayer, ModelError> {
+        let d = c.hidden_size;
+        let (h, k, w) = (c.kda.num_heads, c.kda.head_dim, c.kda.conv_kernel);
+        let p = h * k;
+        let n = |s: &str| format!("{prefix}.{s}");
+        let gate = if c.kda.full_rank_gate {
+            OutputGate::Full(src.matrix(&n("g_proj.weight"), p, d)?)
+        } else {
+            OutputGate::LowRank(src.matrix(&n("g_a_proj.weight"), k, d)?, src.matrix(&n("g_b_proj.weight"), p, k)?)
+        };
+        // A_log ships padded to max(H, head_dim) entries (the release: [128] for 96 heads); the
+        // gate is per head, so the padding must be exactly zero.
+        let a_name = n("A_log");
+        let a_log = match src.vector(&a_name, &[h.max(k)]) {
+            Err(ModelError::Shape { .. }) if k > h => src.vector(&a_name, &[h])?,
+            r => r?,
+        };
+        if a_log[h..].iter().any(|v| *v != 0.0) {
+            return Err(ModelError::config(
+                &a_name,
+                format!("entries {h}.. must be zero padding (A_log is per head, {h} heads)"),
+            ));
+        }
+        let mut conv = |s: &str| -> Result<Vec<f32>, ModelError> { src.vector(&n(s), &[p, 1, w]) };
+        let conv = [conv("q_conv1d.weight")?, conv("k_conv1d.weight")?, conv("v_conv1d.weight")?];
+        Ok(KdaLayer {
+            q_proj: src.matrix(&n("q_proj.weight"), p, d)?,
+            k_proj: src.matrix(&n("k_proj.weight"), p, d)?,
+            v_proj: src.matrix(&n("v_proj.weight"), p, d)?,
+            f_a: src.matrix(&n("f_a_proj.weight"), k, d)?,
+            f_b: src.matrix(&n("f_b_proj.weight"), p, k)?,
+            b_proj: src.matrix(&n("b_proj.weight"), h, d)?,
+            gate,
+            conv,
+            a_exp: a_log[..h].iter().map(|a| a.exp()).collect(),
+            dt_bias: src.vector(&n("dt_bias"), &[p])?,
+            o_norm: src.vector(&n("o_norm.weight"), &[k])?,
+            o_proj: src.matrix(&n("o_proj.weight"), d, p)?,
+            heads: h,
+            head_dim: k,
+            kernel: w,
+            lower_bound: c.kda.gate_lower_bound,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    /// x: `[tokens, d]` (post `input_layernorm`). Advances `state` by `tokens`.
+    pub fn forward(&self, x: &[f32], tokens: usize, state: &mut KdaState) -> Vec<f32> {
+        let (h, k) = (self.heads, self.head_dim);
+        let p = h * k;
+        let mut branches = [self.q_proj.matmul(x, tokens), self.k_proj.matmul(x, tokens), self.v_proj.matmul(x, tokens)];
+        for (b, raw) in branches.iter_mut().enumerate() {
+            *raw = self.short_conv(raw, tokens, &self.conv[b], state.conv_frames_mut(b));
+        }
+        let [q, kk, v] = branches;
+        let z = self.f_b.matmul(&self.f_a.matmul(x, tokens), tokens);
+        let beta_logits = self.b_proj.matmul(x, tokens);
+        let r = match &self.gate {
+            OutputGate::Full(g) => g.matmul(x, tokens),
+            OutputGate::LowRank(a, b) => b.matmul(&a.matmul(x, tokens), tokens),
+        };
+
+        let scale = 1.0 / (k as f32).sqrt();
+        let lb = self.lower_bound;
+        let outs: Vec<Vec<f32>> = state
+            .recurrent
+            .par_chunks_mut(k * k)
+            .enumerate()
+            .map(|(hh, s)| {
+                let mut qh = vec![0f32; tokens * k];
+                let mut kh = vec![0f32; tokens * k];
+                let mut vh = vec![0f32; tokens * k];
+                let mut gh = vec![0f32; tokens * k];
+                let mut bh = vec![0f32; tokens];
+                for t in 0..tokens {
+                    let src = t * p + hh * k..t * p + (hh + 1) * k;
+                    let dst = t * k..(t + 1) * k;
+                    qh[dst.clone()].copy_from_slice(&q[src.clone()]);
+                    l2_norm(&mut qh[dst.clone()], 1e-6);
+                    qh[dst.clone()].iter_mut().for_each(|v| *v *= scale);
+                    kh[dst.clone()].copy_from_slice(&kk[src.clone()]);
+                    l2_norm(&mut kh[dst.clone()], 1e-6);
+                    vh[dst.clone()].copy_from_slice(&v[src.clone()]);
+                    for j in 0..k {
+                        let c = hh * k + j;
+                        gh[t * k + j] = lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
+                    }
+                    bh[t] = sigmoid(beta_logits[t * h + hh]);
+                }
+                let mut o = vec![0f32; tokens * k];
+                if tokens == 1 {
+                    kda_step(s, &qh, &kh, &vh, &gh, bh[0], &mut o);
+                } else {
+                    kda_prefill(s, &qh, &kh, &vh, &gh, &bh, &mut o, k, k);
+                }
+                o
+            })
+            .collect();
+
+        // Sigmoid-gated RMSNorm per head, then o_proj.
+        let mut y = vec![0f32; tokens * p];
+        for (hh, o) in outs.iter().enumerate() {
+            for t in 0..tokens {
+                let oh = &o[t * k..(t + 1) * k];
+                let inv = inv_rms(oh, self.eps);
+                for j in 0..k {
+                    let c = t * p + hh * k + j;
+                    y[c] = self.o_norm[j] * (oh[j] * inv) * sigmoid(r[c]);
+                }
+            }
+        }
+        self.o_proj.matmul(&y, tokens)
+    }
+
+    /// Causal depthwise conv + SiLU over `[tokens, P]`, continuing from (and updating) `frames`.
+    fn short_conv(&self, raw: &[f32], tokens: usize, taps: &[f32], frames: &mut [f32]) -> Vec<f32> {
+        let w = self.kernel;
+        let p = self.heads * self.head_dim;
+        let hist = w - 1;
+        let mut ext = Vec::with_capacity((hist + tokens) * p);
+        ext.extend_from_slice(frames);
+        ext.extend_from_slice(raw);
+        let mut out = vec![0f32; tokens * p];
+        for t in 0..tokens {
+            for c in 0..p {
+                let mut acc = 0f32;
+                for i in 0..w {
+                    acc += taps[c * w + i] * ext[(t + i) * p + c];
+                }
+                out[t * p + c] = silu(acc);
+            }
+        }
+        frames.copy_from_slice(&ext[tokens * p..]);
+        out
+    }
+}

@@ -1,0 +1,141 @@
+//! Gated NoPE MLA (spec §2.5) in the absorbed-latent form: queries are mapped into the
+//! 512-wide latent space per head (W_UKᵀ q_nope), attend over the cached 576-wide rows
+//! [c | k_pe] as one shared KV head, and the latent context is lifted with W_UV. Prefill and
+//! decode run the same code; only the number of new rows differs. No rotation anywhere.
+
+use rayon::prelude::*;
+
+use kimi_kernels::cpu::simd::{axpy, dot};
+
+use super::config::TextConfig;
+use super::error::ModelError;
+use super::indexer::{Indexer, Selection};
+use super::norm::{rms_norm, sigmoid};
+use super::state::LatentCache;
+use super::weights::{TensorSource, Weight};
+
+/// ε of `q_a_layernorm` / `kv_a_layernorm`: the release builds them with the class default.
+const LORA_NORM_EPS: f32 = 1e-6;
+
+pub struct MlaLayer {
+    q_a: Weight,
+    q_a_norm: Vec<f32>,
+    q_b: Weight,
+    kv_a: Weight,
+    kv_a_norm: Vec<f32>,
+    kv_b: Weight,
+    g_proj: Option<Weight>,
+    o_proj: Weight,
+    pub indexer: Option<Indexer>,
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    v_dim: usize,
+    rank: usize,
+}
+
+impl MlaLayer {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MlaLayer, ModelError> {
+        let d = c.hidden_size;
+        let (h, dn, dr, dv, r) = (c.mla_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let n = |s: &str| format!("{prefix}.{s}");
+        let indexer = match &c.indexer {
+            Some(ic) => Some(Indexer::load(src, &n("indexer"), ic, d, c.q_lora_rank)?),
+            None => None,
+        };
+        Ok(MlaLayer {
+            q_a: src.matrix(&n("q_a_proj.weight"), c.q_lora_rank, d)?,
+            q_a_norm: src.vector(&n("q_a_layernorm.weight"), &[c.q_lora_rank])?,
+            q_b: src.matrix(&n("q_b_proj.weight"), h * (dn + dr), c.q_lora_rank)?,
+            kv_a: src.matrix(&n("kv_a_proj_with_mqa.weight"), r + dr, d)?,
+            kv_a_norm: src.vector(&n("kv_a_layernorm.weight"), &[r])?,
+            kv_b: src.matrix(&n("kv_b_proj.weight"), h * (dn + dv), r)?,
+            g_proj: if c.mla_output_gate { Some(src.matrix(&n("g_proj.weight"), h * dv, d)?) } else { None },
+            o_proj: src.matrix(&n("o_proj.weight"), d, h * dv)?,
+            indexer,
+            heads: h,
+            nope: dn,
+            rope: dr,
+            v_dim: dv,
+            rank: r,
+        })
+    }
+
+    /// x: `[tokens, d]` (post `input_layernorm`). Appends `tokens` rows to `cache` and returns the
+    /// layer output and, for K3.1, the indexer's selections.
+    pub fn forward(&self, x: &[f32], tokens: usize, cache: &mut LatentCache) -> (Vec<f32>, Option<Vec<Selection>>) {
+        let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
+        let width = r + dr;
+        let start = cache.len();
+
+        let c_q = rms_norm(&self.q_a.matmul(x, tokens), &self.q_a_norm, LORA_NORM_EPS);
+        let q = self.q_b.matmul(&c_q, tokens);
+        let kv = self.kv_a.matmul(x, tokens);
+        for t in 0..tokens {
+            let row = &kv[t * width..(t + 1) * width];
+            cache.rows.extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
+            cache.rows.extend_from_slice(&row[r..]);
+        }
+
+        let selections = self.indexer.as_ref().map(|ix| {
+            cache.index_keys.extend(ix.keys(x, tokens));
+            let cache_ref = &*cache;
+            ix.select(x, &c_q, tokens, start, |s| cache_ref.index_key(s))
+        });
+
+        let scale = 1.0 / ((dn + dr) as f32).sqrt();
+        let wkv = self.kv_b.m();
+        let cache_ref = &*cache;
+        let heads: Vec<Vec<f32>> = (0..h)
+            .into_par_iter()
+            .map(|hh| {
+                let w_uk = wkv.row_range(hh * (dn + dv), dn);
+                let w_uv = wkv.row_range(hh * (dn + dv) + dn, dv);
+                let mut ctx = vec![0f32; tokens * r];
+                let mut qabs = vec![0f32; width];
+                let mut scores = Vec::new();
+                for t in 0..tokens {
+                    let qt = &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
+                    w_uk.matvec_transposed(&qt[..dn], &mut qabs[..r]);
+                    qabs[r..].copy_from_slice(&qt[dn..]);
+                    let pos = start + t;
+                    let all: Vec<usize>;
+                    let cand: &[usize] = match &selections {
+                        Some(sel) => &sel[t].tokens,
+                        None => {
+                            all = (0..=pos).collect();
+                            &all
+                        }
+                    };
+                    scores.clear();
+                    scores.extend(cand.iter().map(|&s| dot(&qabs, cache_ref.row(s)) * scale));
+                    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut z = 0f32;
+                    scores.iter_mut().for_each(|s| {
+                        *s = (*s - m).exp();
+                        z += *s;
+                    });
+                    let ct = &mut ctx[t * r..(t + 1) * r];
+                    for (&s, p) in cand.iter().zip(&scores) {
+                        axpy(p / z, &cache_ref.row(s)[..r], ct);
+                    }
+                }
+                let mut o = vec![0f32; tokens * dv];
+                w_uv.matmul(&ctx, tokens, &mut o);
+                o
+            })
+            .collect();
+
+        let mut o = vec![0f32; tokens * h * dv];
+        for (hh, oh) in heads.iter().enumerate() {
+            for t in 0..tokens {
+                o[t * h * dv + hh * dv..t * h * dv + (hh + 1) * dv].copy_from_slice(&oh[t * dv..(t + 1) * dv]);
+            }
+        }
+        if let Some(g) = &self.g_proj {
+            let gate = g.matmul(x, tokens);
+            o.iter_mut().zip(&gate).for_each(|(v, g)| *v *= sigmoid(*g));
+        }
+        (self.o_proj.matmul(&o, tokens), selections)
+    }
+}

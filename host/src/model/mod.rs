@@ -1,0 +1,22 @@
+//! The Kimi-K3 / K3.1 text model on the CPU: config, checkpoint, weights and the forward pass.
+
+pub mod attn_res;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod indexer;
+pub mod kda;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+pub mod norm;
+pub mod state;
+pub mod trace;
+pub mod weights;
+
+pub use config::{ModelConfig, TextConfig};
+pub use error::ModelError;
+pub use forward::{LogitsFor, Model};
+pub use state::SequenceState;
+pub use trace::Trace;

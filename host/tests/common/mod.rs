@@ -1,0 +1,88 @@
+//! Shared helpers for tests that read `../shared/golden` (never copied into the project).
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use kimi_host::model::checkpoint::{Checkpoint, Dtype};
+use serde_json::Value;
+
+/// `../shared/golden` from the repository root (override with `KIMI_GOLDEN_DIR`).
+pub fn golden_dir() -> PathBuf {
+    let dir = std::env::var_os("KIMI_GOLDEN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden"));
+    assert!(dir.is_dir(), "golden directory {} not found: the tests need ../shared/golden", dir.display());
+    dir
+}
+
+pub struct Golden {
+    pub dir: PathBuf,
+    pub case: Value,
+    pub ck: Checkpoint,
+}
+
+impl Golden {
+    pub fn open(name: &str) -> Golden {
+        let dir = golden_dir().join(name);
+        let case: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).expect("case.json"))
+            .expect("case.json is JSON");
+        let ck = Checkpoint::open_file(&dir.join("golden.safetensors")).expect("golden.safetensors");
+        Golden { dir, case, ck }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.case["golden_tensors"].as_object().expect("golden_tensors").keys().cloned().collect()
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.ck.contains(name)
+    }
+
+    pub fn f32(&self, name: &str) -> Vec<f32> {
+        let info = self.ck.info(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
+        assert_eq!(info.dtype, Dtype::F32, "{name}");
+        self.ck.read_f32(info)
+    }
+
+    pub fn i64(&self, name: &str) -> Vec<i64> {
+        let info = self.ck.info(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
+        assert_eq!(info.dtype, Dtype::I64, "{name}");
+        self.ck.read_i64(info)
+    }
+
+    pub fn ids(&self, name: &str) -> Vec<u32> {
+        self.i64(name).into_iter().map(|x| x as u32).collect()
+    }
+
+    pub fn shape(&self, name: &str) -> Vec<usize> {
+        self.ck.info(name).expect("tensor").shape.clone()
+    }
+
+    pub fn tol_logits(&self) -> f32 {
+        self.case["suggested_tolerance"]["logits_max_abs"].as_f64().expect("tolerance") as f32
+    }
+
+    pub fn tol_state(&self) -> f32 {
+        self.case["suggested_tolerance"]["hidden_and_state_max_abs"].as_f64().expect("tolerance") as f32
+    }
+}
+
+/// Max |a − b|; NaN in exactly one of the two counts as infinite, NaN in both as equal.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
+            (true, true) => 0.0,
+            (false, false) => (x - y).abs(),
+            _ => f32::INFINITY,
+        })
+        .fold(0.0, f32::max)
+}
+
+pub fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
+    let d = max_abs_diff(got, want);
+    assert!(d <= tol, "{name}: max |Δ| = {d} exceeds tolerance {tol}");
+    d
+}
