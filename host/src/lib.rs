@@ -1,6 +1,10 @@
+#![recursion_limit = "256"]
+
 //! kimi-host: an inference host for the Kimi-K3 model family.
 //!
 //! Today: the text model on the CPU (`model`). The tokenizer, plugin runtime, engine and server
 //! follow (see the repository README).
 
+pub mod bench;
+pub mod inspect;
 pub mod model;

@@ -1,1 +1,242 @@
-fn main() {}
+//! `kimi-host` command line.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use safetensors::{Dtype, tensor::TensorView};
+
+use kimi_host::bench::{argmax, bench_forward};
+use kimi_host::inspect::inspect;
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::model::{LogitsFor, Model};
+
+#[derive(Parser)]
+#[command(
+    name = "kimi-host",
+    version,
+    about = "Inference host for the Kimi-K3 model family"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a checkpoint: layer plan, parameters, bytes, state and cache sizes, name-map check.
+    /// Works on a directory holding only config.json (plus, optionally, the shard index).
+    Inspect {
+        /// Checkpoint directory (config.json, and optionally the index or weights).
+        model_dir: PathBuf,
+        /// Context length for the memory estimate (default: min(max_position_embeddings, 1M)).
+        #[arg(long)]
+        context: Option<usize>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write prefill (and cached decode) logits to a safetensors file.
+    Logits {
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt token ids as a JSON array, e.g. "[1,2,3]" (or @file holding one).
+        #[arg(long)]
+        prompt_ids: String,
+        /// Ids fed one per cached decode step after the prompt, as a JSON array.
+        #[arg(long)]
+        decode_ids: Option<String>,
+        /// Output file: `prefill_logits` [T, V] and, with --decode-ids, `decode_logits` [N, V].
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Greedy generation; prints one id per line.
+    Generate {
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt token ids as a JSON array (or @file).
+        #[arg(long)]
+        prompt_ids: String,
+        #[arg(long, default_value_t = 16)]
+        max_tokens: usize,
+        /// Keep going after the end-of-message token.
+        #[arg(long)]
+        ignore_eos: bool,
+    },
+    /// Write a small random checkpoint in the real Kimi-K3 layout.
+    MakeTiny {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// K3.1: add the lightning indexer to every MLA layer.
+        #[arg(long)]
+        k31: bool,
+        /// Store routed experts as MXFP4.
+        #[arg(long)]
+        mxfp4: bool,
+    },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode tokens/s, with measured memory bandwidth as the baseline.
+    Forward {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 128)]
+        prompt_len: usize,
+        #[arg(long, default_value_t = 32)]
+        decode: usize,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
+    let text = match arg.strip_prefix('@') {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {what} from {path}"))?
+        }
+        None => arg.to_string(),
+    };
+    let raw: Vec<i64> = serde_json::from_str(&text)
+        .with_context(|| format!("{what} must be a JSON array of token ids"))?;
+    raw.iter()
+        .map(|&x| {
+            u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))
+        })
+        .collect()
+}
+
+fn load(dir: &Path) -> Result<Model> {
+    Model::load(dir).with_context(|| format!("loading model from {}", dir.display()))
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Inspect {
+            model_dir,
+            context,
+            json,
+        } => {
+            let report = inspect(&model_dir, context)
+                .with_context(|| format!("inspecting {}", model_dir.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+        }
+        Command::Logits {
+            model,
+            prompt_ids,
+            decode_ids,
+            out,
+        } => {
+            let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
+            if prompt.is_empty() {
+                bail!("--prompt-ids must hold at least one id");
+            }
+            let decode = decode_ids
+                .as_deref()
+                .map(|d| parse_ids(d, "--decode-ids"))
+                .transpose()?;
+            let m = load(&model)?;
+            let v = m.text_config().vocab_size;
+            let mut state = m.new_state();
+            let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;
+            let mut tensors = vec![(
+                "prefill_logits".to_string(),
+                vec![prompt.len(), v],
+                f32_bytes(&prefill),
+            )];
+            if let Some(ids) = decode {
+                let mut rows = Vec::with_capacity(ids.len() * v);
+                for id in &ids {
+                    rows.extend(m.forward(&[*id], &mut state, LogitsFor::AllTokens, None)?);
+                }
+                tensors.push((
+                    "decode_logits".to_string(),
+                    vec![ids.len(), v],
+                    f32_bytes(&rows),
+                ));
+            }
+            let views = tensors
+                .iter()
+                .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+                .collect::<Result<Vec<_>>>()?;
+            safetensors::serialize_to_file(views, None, &out)
+                .with_context(|| format!("writing {}", out.display()))?;
+        }
+        Command::Generate {
+            model,
+            prompt_ids,
+            max_tokens,
+            ignore_eos,
+        } => {
+            let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
+            if prompt.is_empty() {
+                bail!("--prompt-ids must hold at least one id");
+            }
+            let m = load(&model)?;
+            let eos = m.text_config().eos_token_id;
+            let mut state = m.new_state();
+            let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
+            for _ in 0..max_tokens {
+                let next = argmax(&logits) as u32;
+                println!("{next}");
+                if !ignore_eos && Some(next) == eos {
+                    break;
+                }
+                logits = m.forward(&[next], &mut state, LogitsFor::LastToken, None)?;
+            }
+        }
+        Command::MakeTiny {
+            out,
+            seed,
+            k31,
+            mxfp4,
+        } => {
+            make_tiny(&out, &TinyOptions { seed, k31, mxfp4 })
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!(
+                "wrote a tiny Kimi-K3{} checkpoint to {}",
+                if k31 { ".1" } else { "" },
+                out.display()
+            );
+        }
+        Command::Bench(BenchCommand::Forward {
+            model,
+            prompt_len,
+            decode,
+            threads,
+            json,
+        }) => {
+            if let Some(n) = threads {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build_global()
+                    .context("setting up the thread pool")?;
+            }
+            let r = bench_forward(&model, prompt_len, decode)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{r}");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}

@@ -16,8 +16,9 @@ fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> V
     let mut out = vec![0f64; tokens * rows];
     for t in 0..tokens {
         for r in 0..rows {
-            out[t * rows + r] =
-                (0..cols).map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
+            out[t * rows + r] = (0..cols)
+                .map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64)
+                .sum();
         }
     }
     out
@@ -26,7 +27,10 @@ fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> V
 fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((*g as f64 - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+        assert!(
+            (*g as f64 - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w}"
+        );
     }
 }
 
@@ -53,7 +57,11 @@ fn f32_matmul_matches_reference() {
     let mut rng = StdRng::seed_from_u64(2);
     let (rows, cols) = (130, 77);
     let w = randn(&mut rng, rows * cols);
-    let m = Matrix::F32(F32Matrix { data: &w, rows, cols });
+    let m = Matrix::F32(F32Matrix {
+        data: &w,
+        rows,
+        cols,
+    });
     for tokens in [1, 4, 6] {
         let x = randn(&mut rng, tokens * cols);
         let mut out = vec![0f32; tokens * rows];
@@ -80,14 +88,22 @@ fn mxfp4_matmul_matches_its_dequantisation() {
         let deq = mx.to_f32();
         // Quantisation keeps every value within a quarter of its group's scale of the original.
         for (a, b) in deq.iter().zip(&wf) {
-            assert!((a - b).abs() <= 0.5 * b.abs().max(0.0625) + 1e-6, "quantised {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 0.5 * b.abs().max(0.0625) + 1e-6,
+                "quantised {a} vs {b}"
+            );
         }
         let m = Matrix::Mxfp4(mx);
         for tokens in [1, 3, 8] {
             let x = randn(&mut rng, tokens * cols);
             let mut out = vec![0f32; tokens * rows];
             m.matmul(&x, tokens, &mut out);
-            assert_close(&out, &reference(&deq, rows, cols, &x, tokens), 1e-4, "mxfp4");
+            assert_close(
+                &out,
+                &reference(&deq, rows, cols, &x, tokens),
+                1e-4,
+                "mxfp4",
+            );
         }
     }
 }
@@ -103,7 +119,11 @@ fn transposed_matvec_matches_reference() {
     let mut out = vec![0f32; cols];
     Matrix::Bf16(Bf16Matrix::new(&bits, rows, cols)).matvec_transposed(&x, &mut out);
     let want: Vec<f64> = (0..cols)
-        .map(|c| (0..rows).map(|r| wq[r * cols + c] as f64 * x[r] as f64).sum())
+        .map(|c| {
+            (0..rows)
+                .map(|r| wq[r * cols + c] as f64 * x[r] as f64)
+                .sum()
+        })
         .collect();
     assert_close(&out, &want, 1e-5, "wt x");
 }
@@ -118,7 +138,14 @@ fn l2norm(v: &mut [f32]) {
 #[test]
 fn kda_chunked_prefill_equals_recurrence() {
     let mut rng = StdRng::seed_from_u64(5);
-    for &(tokens, dk, dv) in &[(1, 8, 8), (37, 16, 8), (64, 16, 16), (65, 8, 24), (150, 32, 16), (200, 128, 128)] {
+    for &(tokens, dk, dv) in &[
+        (1, 8, 8),
+        (37, 16, 8),
+        (64, 16, 16),
+        (65, 8, 24),
+        (150, 32, 16),
+        (200, 128, 128),
+    ] {
         let mut q = randn(&mut rng, tokens * dk);
         let mut k = randn(&mut rng, tokens * dk);
         for t in 0..tokens {
@@ -126,7 +153,9 @@ fn kda_chunked_prefill_equals_recurrence() {
             l2norm(&mut k[t * dk..(t + 1) * dk]);
         }
         let v = randn(&mut rng, tokens * dv);
-        let g: Vec<f32> = (0..tokens * dk).map(|_| -5.0 * rng.random_range(0.0f32..1.0)).collect();
+        let g: Vec<f32> = (0..tokens * dk)
+            .map(|_| -5.0 * rng.random_range(0.0f32..1.0))
+            .collect();
         let beta: Vec<f32> = (0..tokens).map(|_| rng.random_range(0.0f32..1.0)).collect();
         let s0 = randn(&mut rng, dk * dv);
 
@@ -146,9 +175,53 @@ fn kda_chunked_prefill_equals_recurrence() {
         let mut s_chunk = s0.clone();
         let mut o_chunk = vec![0f32; tokens * dv];
         kda_prefill(&mut s_chunk, &q, &k, &v, &g, &beta, &mut o_chunk, dk, dv);
-        let max_o = o_rec.iter().zip(&o_chunk).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        let max_s = s_rec.iter().zip(&s_chunk).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(max_o < 1e-4 && max_s < 1e-4, "T={tokens} K={dk} V={dv}: |ΔO|={max_o} |ΔS|={max_s}");
+        let max_o = o_rec
+            .iter()
+            .zip(&o_chunk)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let max_s = s_rec
+            .iter()
+            .zip(&s_chunk)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            max_o < 1e-4 && max_s < 1e-4,
+            "T={tokens} K={dk} V={dv}: |ΔO|={max_o} |ΔS|={max_s}"
+        );
         assert!(o_rec.iter().all(|x| x.is_finite()));
+    }
+}
+
+/// Re-runs this test binary with each lower SIMD level forced (`KIMI_SIMD`), so the AVX2 and
+/// scalar paths are checked on a machine that would otherwise always take AVX-512.
+#[test]
+fn every_simd_level_passes() {
+    if std::env::var_os("KIMI_SIMD").is_some() {
+        return; // already a forced run
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    for level in ["avx2", "scalar"] {
+        let out = std::process::Command::new(&exe)
+            .env("KIMI_SIMD", level)
+            .args(["--skip", "every_simd_level_passes", "--test-threads", "2"])
+            .output()
+            .expect("re-run the kernel tests");
+        assert!(
+            out.status.success(),
+            "kernel tests fail with KIMI_SIMD={level}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn forced_simd_level_is_respected() {
+    use kimi_kernels::{SimdLevel, simd_level};
+    match std::env::var("KIMI_SIMD").as_deref() {
+        Ok("scalar") => assert_eq!(simd_level(), SimdLevel::Scalar),
+        Ok("avx2") => assert!(simd_level() <= SimdLevel::Avx2),
+        _ => {}
     }
 }

@@ -19,11 +19,14 @@ use super::weights::{CheckpointSource, TensorSource, Weight};
 /// Every text-model tensor name starts with this.
 pub const PREFIX: &str = "language_model.";
 
+#[allow(clippy::large_enum_variant)]
 pub enum Mixer {
     Kda(KdaLayer),
     Mla(MlaLayer),
 }
 
+// One per layer, built once: the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     Dense(Mlp),
     Moe(MoeLayer),
@@ -95,13 +98,29 @@ impl Model {
             } else {
                 Ffn::Dense(Mlp::load(src, &format!("{p}.mlp"), d, c.intermediate_size)?)
             };
-            layers.push(DecoderLayer { input_norm, post_norm, attn_res, mlp_res, mixer, ffn });
+            layers.push(DecoderLayer {
+                input_norm,
+                post_norm,
+                attn_res,
+                mlp_res,
+                mixer,
+                ffn,
+            });
         }
         let output_res = ResMix::load(src, &m("output_attn_res"), d, c.rms_norm_eps)?;
         let norm = src.vector(&m("norm.weight"), &[d])?;
         let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
         let situ = Situ::from_config(c);
-        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, _checkpoint: None })
+        Ok(Model {
+            config,
+            embed,
+            layers,
+            output_res,
+            norm,
+            lm_head,
+            situ,
+            _checkpoint: None,
+        })
     }
 
     pub fn text_config(&self) -> &TextConfig {
@@ -131,7 +150,10 @@ impl Model {
             return Err(ModelError::TokenOutOfRange { id, vocab: v });
         }
         if state.len + tokens > c.max_position_embeddings {
-            return Err(ModelError::TooLong { len: state.len + tokens, max: c.max_position_embeddings });
+            return Err(ModelError::TooLong {
+                len: state.len + tokens,
+                max: c.max_position_embeddings,
+            });
         }
         let shape = [tokens, d];
         let emb_m = self.embed.m();
@@ -184,10 +206,22 @@ impl Model {
                     let (y, r) = moe.forward(&f_in, tokens, self.situ);
                     if let Some(tr) = tr.as_deref_mut() {
                         let e = r.scores.len() / tokens;
-                        tr.i64(format!("layer{i}.router.topk_ids"), &[tokens, r.top_k], r.ids.iter().map(|&x| x as i64).collect());
-                        tr.f32(format!("layer{i}.router.topk_weights"), &[tokens, r.top_k], &r.weights);
+                        tr.i64(
+                            format!("layer{i}.router.topk_ids"),
+                            &[tokens, r.top_k],
+                            r.ids.iter().map(|&x| x as i64).collect(),
+                        );
+                        tr.f32(
+                            format!("layer{i}.router.topk_weights"),
+                            &[tokens, r.top_k],
+                            &r.weights,
+                        );
                         tr.f32(format!("layer{i}.router.scores"), &[tokens, e], &r.scores);
-                        tr.f32(format!("layer{i}.router.selection_margin"), &[tokens], &r.margins);
+                        tr.f32(
+                            format!("layer{i}.router.selection_margin"),
+                            &[tokens],
+                            &r.margins,
+                        );
                     }
                     y
                 }
@@ -207,7 +241,9 @@ impl Model {
         }
         state.len += tokens;
 
-        let final_mix = self.output_res.mix(&candidates(&blocks, partial.as_ref()), tokens);
+        let final_mix = self
+            .output_res
+            .mix(&candidates(&blocks, partial.as_ref()), tokens);
         let hidden = rms_norm(&final_mix, &self.norm, c.rms_norm_eps);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
@@ -225,11 +261,21 @@ impl Model {
 }
 
 fn candidates<'a>(blocks: &'a [Vec<f32>], partial: Option<&'a Vec<f32>>) -> Vec<&'a [f32]> {
-    blocks.iter().map(|b| b.as_slice()).chain(partial.map(|p| p.as_slice())).collect()
+    blocks
+        .iter()
+        .map(|b| b.as_slice())
+        .chain(partial.map(|p| p.as_slice()))
+        .collect()
 }
 
 /// `index.layer{i}.selected [T, topk]` (ascending, −1 padded) and `.scores [T, start+T]`.
-fn record_selection(tr: &mut Trace, layer: usize, sel: &[super::indexer::Selection], topk: usize, start: usize) {
+fn record_selection(
+    tr: &mut Trace,
+    layer: usize,
+    sel: &[super::indexer::Selection],
+    topk: usize,
+    start: usize,
+) {
     let tokens = sel.len();
     let total = start + tokens;
     let mut ids = vec![-1i64; tokens * topk];
@@ -241,7 +287,11 @@ fn record_selection(tr: &mut Trace, layer: usize, sel: &[super::indexer::Selecti
         scores[t * total..t * total + s.scores.len()].copy_from_slice(&s.scores);
     }
     tr.i64(format!("index.layer{layer}.selected"), &[tokens, topk], ids);
-    tr.f32(format!("index.layer{layer}.scores"), &[tokens, total], &scores);
+    tr.f32(
+        format!("index.layer{layer}.scores"),
+        &[tokens, total],
+        &scores,
+    );
     let margins: Vec<f32> = sel.iter().map(|s| s.margin).collect();
     tr.f32(format!("index.layer{layer}.margin"), &[tokens], &margins);
 }

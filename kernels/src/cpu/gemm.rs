@@ -27,8 +27,18 @@ unsafe impl Sync for OutPtr {}
 
 pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
-    assert_eq!(out.len(), tokens * rows, "matmul: out has {} values, want {tokens}×{rows}", out.len());
+    assert_eq!(
+        x.len(),
+        tokens * cols,
+        "matmul: x has {} values, want {tokens}×{cols}",
+        x.len()
+    );
+    assert_eq!(
+        out.len(),
+        tokens * rows,
+        "matmul: out has {} values, want {tokens}×{rows}",
+        out.len()
+    );
     if tokens == 0 || rows == 0 {
         return;
     }
@@ -88,8 +98,9 @@ fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out:
             let mut t = 0;
             while t < tokens {
                 let nt = (tokens - t).min(4);
-                let xs: [&[f32]; 4] =
-                    std::array::from_fn(|j| &x[(t + j.min(nt - 1)) * cols..(t + j.min(nt - 1) + 1) * cols]);
+                let xs: [&[f32]; 4] = std::array::from_fn(|j| {
+                    &x[(t + j.min(nt - 1)) * cols..(t + j.min(nt - 1) + 1) * cols]
+                });
                 let tile = dot_tile(wt, cols, &xs);
                 for (j, row) in tile.iter().take(nt).enumerate() {
                     for (i, val) in row.iter().take(n).enumerate() {

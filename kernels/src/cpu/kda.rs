@@ -72,7 +72,11 @@ pub fn kda_chunk(
     s.gamma.resize(n * dk, 0.0);
     for i in 0..n {
         for c in 0..dk {
-            let prev = if i == 0 { 0.0 } else { s.gamma[(i - 1) * dk + c] };
+            let prev = if i == 0 {
+                0.0
+            } else {
+                s.gamma[(i - 1) * dk + c]
+            };
             s.gamma[i * dk + c] = prev + g[i * dk + c];
         }
     }
@@ -83,7 +87,11 @@ pub fn kda_chunk(
     s.aqk.clear();
     s.aqk.resize(n * n, 0.0);
     for i in 0..n {
-        let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
+        let (qi, ki, gi) = (
+            &q[i * dk..(i + 1) * dk],
+            &k[i * dk..(i + 1) * dk],
+            &gam[i * dk..(i + 1) * dk],
+        );
         for j in 0..=i {
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
             let (mut sq, mut sk) = (0f32, 0f32);

@@ -1,0 +1,253 @@
+//! `make-tiny`: a small random checkpoint in the real Kimi-K3 layout (outer `kimi_k3` config with
+//! `text_config`, `language_model.*` names, optional MXFP4 experts and K3.1 indexer). The tensor
+//! list comes from the model's own loader (through [`NameRecorder`]), so whatever this writes, the
+//! engine loads. Random weights: it speaks nonsense, but every code path is real.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rand_distr::StandardNormal;
+use safetensors::{Dtype as StDtype, tensor::TensorView};
+use serde_json::{Value, json};
+
+use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
+use kimi_kernels::cpu::mxfp4::quantize_row;
+
+use super::checkpoint::Dtype;
+use super::config::parse_config;
+use super::error::ModelError;
+use super::forward::Model;
+use super::weights::NameRecorder;
+
+#[derive(Clone, Debug)]
+pub struct TinyOptions {
+    pub seed: u64,
+    /// Add the K3.1 lightning indexer to every MLA layer.
+    pub k31: bool,
+    /// Store routed experts as MXFP4 (`weight_packed` / `weight_scale`).
+    pub mxfp4: bool,
+}
+
+/// Byte-level vocabulary (256) plus the 256 reserved K3 special ids on top.
+pub const TINY_VOCAB: usize = 512;
+
+/// The tiny config: every key of the release `text_config`, small shapes.
+pub fn tiny_config(opts: &TinyOptions) -> Value {
+    let v = TINY_VOCAB as u64;
+    let mut text = json!({
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": 4,
+        "bos_token_id": v - 256,
+        "eos_token_id": v - 254,
+        "pad_token_id": v - 1,
+        "dtype": "bfloat16",
+        "first_k_dense_replace": 1,
+        "hidden_act": "situ",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "kv_lora_rank": 32,
+        "latent_moe_use_norm": true,
+        "linear_attn_config": {
+            "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+            "use_full_rank_gate": true, "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]
+        },
+        "max_position_embeddings": 1048576,
+        "mla_use_nope": true,
+        "mla_use_output_gate": true,
+        "moe_intermediate_size": 64,
+        "moe_layer_freq": 1,
+        "moe_renormalize": true,
+        "moe_router_activation_func": "sigmoid",
+        "num_attention_heads": 4,
+        "num_expert_group": 1,
+        "num_experts": 16,
+        "num_experts_per_token": 4,
+        "num_hidden_layers": 8,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 0,
+        "num_shared_experts": 1,
+        "q_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "routed_expert_hidden_size": 128,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": false,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": true,
+        "v_head_dim": 32,
+        "vocab_size": v,
+    });
+    if opts.k31 {
+        text["index_n_heads"] = json!(4);
+        text["index_head_dim"] = json!(32);
+        text["index_topk"] = json!(64);
+    }
+    if opts.mxfp4 {
+        text["quantization_config"] = json!({
+            "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                "weights": {"group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8", "strategy": "group",
+                            "symmetric": true, "type": "float", "dynamic": false}}},
+            "format": "mxfp4-pack-quantized",
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed"
+        });
+    }
+    json!({
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": v - 256,
+        "eos_token_id": v - 254,
+        "pad_token_id": v - 1,
+        "media_placeholder_token_id": v - 256 + 21,
+        "tie_word_embeddings": false,
+        "text_config": text,
+    })
+}
+
+/// Writes `config.json` and `model.safetensors` into `out`.
+pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
+    let config_json = tiny_config(opts);
+    let config = parse_config(&config_json.to_string())?;
+    let kda_heads = config.text.kda.num_heads;
+    let mut rec = NameRecorder::new(|_| opts.mxfp4);
+    Model::build(config, &mut rec)?;
+
+    // Draw tensors in sorted order of their logical names (packed experts: the dense `.weight`),
+    // so the same seed gives the same model whatever the recording order.
+    let mut logical: Vec<(String, Vec<usize>, bool)> = Vec::new();
+    for t in &rec.tensors {
+        if let Some(base) = t.name.strip_suffix(".weight_packed") {
+            logical.push((
+                format!("{base}.weight"),
+                vec![t.shape[0], t.shape[1] * 2],
+                true,
+            ));
+        } else if !t.name.ends_with(".weight_scale") {
+            logical.push((t.name.clone(), t.shape.clone(), false));
+        }
+    }
+    logical.sort();
+    let dtypes: HashMap<&str, Dtype> = rec
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype))
+        .collect();
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let mut buffers: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, shape, packed) in &logical {
+        let values = init_values(&mut rng, name, shape, kda_heads);
+        if *packed {
+            let (rows, cols) = (shape[0], shape[1]);
+            let mut p = vec![0u8; rows * cols / 2];
+            let mut s = vec![0u8; rows * cols / 32];
+            for r in 0..rows {
+                quantize_row(
+                    &values[r * cols..(r + 1) * cols],
+                    &mut p[r * cols / 2..(r + 1) * cols / 2],
+                    &mut s[r * cols / 32..(r + 1) * cols / 32],
+                );
+            }
+            let base = name.trim_end_matches(".weight");
+            buffers.push((
+                format!("{base}.weight_packed"),
+                StDtype::U8,
+                vec![rows, cols / 2],
+                p,
+            ));
+            buffers.push((
+                format!("{base}.weight_scale"),
+                StDtype::U8,
+                vec![rows, cols / 32],
+                s,
+            ));
+        } else if dtypes.get(name.as_str()) == Some(&Dtype::F32) {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            buffers.push((name.clone(), StDtype::F32, shape.clone(), bytes));
+        } else {
+            let bytes = values
+                .iter()
+                .flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes())
+                .collect();
+            buffers.push((name.clone(), StDtype::BF16, shape.clone(), bytes));
+        }
+    }
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    let views: Vec<(String, TensorView<'_>)> = buffers
+        .iter()
+        .map(|(n, d, s, b)| {
+            TensorView::new(*d, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ModelError::Header {
+                    path: out.display().to_string(),
+                    msg: format!("{n}: {e}"),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    let path = out.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &path).map_err(|e| ModelError::Header {
+        path: path.display().to_string(),
+        msg: e.to_string(),
+    })?;
+    let cfg_path = out.join("config.json");
+    let text = serde_json::to_string_pretty(&config_json).unwrap_or_default();
+    std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))?;
+    Ok(())
+}
+
+/// The goldens' init recipe (K3_GOLDENS / spec §7 step 5).
+fn init_values(rng: &mut StdRng, name: &str, shape: &[usize], kda_heads: usize) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    let mut normal = |scale: f32, shift: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| shift + scale * rng.sample::<f32, _>(StandardNormal))
+            .collect()
+    };
+    if name.ends_with("A_log") {
+        // log U(1, 16) per head; the padding stays zero.
+        return (0..n)
+            .map(|i| {
+                if i < kda_heads {
+                    rng.random_range(1.0f32..16.0).ln()
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+    }
+    if name.ends_with("dt_bias") {
+        return normal(0.5, 0.0);
+    }
+    if name.ends_with("e_score_correction_bias") {
+        return normal(0.1, 0.0);
+    }
+    if name.ends_with("norm.weight") {
+        return normal(0.05, 1.0);
+    }
+    if name.ends_with("norm.bias") {
+        return normal(0.05, 0.0);
+    }
+    if name.ends_with("_conv1d.weight") {
+        return normal(0.5, 0.0);
+    }
+    if name.ends_with("embed_tokens.weight") {
+        return normal(0.05, 0.0);
+    }
+    let fan_in = shape.get(1).copied().unwrap_or(1).max(1) as f32;
+    normal(1.0 / fan_in.sqrt(), 0.0)
+}
+
+fn io(path: &Path, e: std::io::Error) -> ModelError {
+    ModelError::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
+}

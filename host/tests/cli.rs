@@ -1,0 +1,240 @@
+//! The `kimi-host` binary: inspect, logits, generate, make-tiny, bench forward.
+
+mod common;
+
+use std::process::Command;
+
+use common::{Golden, assert_close};
+use kimi_host::inspect::inspect;
+use kimi_host::model::checkpoint::Checkpoint;
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::model::{LogitsFor, Model, Trace};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kimi-host"))
+}
+
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run kimi-host");
+    assert!(
+        out.status.success(),
+        "kimi-host failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf8")
+}
+
+#[test]
+fn inspect_release_config_and_index() {
+    let r = inspect(
+        &common::golden_dir().join("k3-release-config"),
+        Some(1 << 20),
+    )
+    .expect("inspect");
+    assert_eq!((r.num_layers, r.kda_layers, r.mla_layers), (93, 69, 24));
+    let total = r.total_params as f64;
+    assert!((total / 2.78e12 - 1.0).abs() < 0.005, "total {total}");
+    let active = r.activated_params_per_token as f64;
+    assert!((active / 104e9 - 1.0).abs() < 0.01, "activated {active}");
+    assert_eq!(r.latent_values_per_token_per_mla_layer, 576);
+    assert_eq!(r.snapshot_layers, vec![0, 12, 24, 36, 48, 60, 72, 84]);
+    // Spec §4: 69 layers × (6 MiB recurrent + 442,368 B f32 conv).
+    assert_eq!(r.kda_state_bytes_per_sequence, 464_633_856);
+    let nc = r.name_check.as_ref().expect("the shard index is checked");
+    assert_eq!(nc.listed, 497_220);
+    assert!(
+        nc.missing.is_empty(),
+        "missing: {:?}",
+        &nc.missing[..nc.missing.len().min(5)]
+    );
+    assert!(
+        nc.unused.is_empty(),
+        "unused: {:?}",
+        &nc.unused[..nc.unused.len().min(5)]
+    );
+    assert_eq!(nc.vision, 168);
+    assert!(nc.other.is_empty());
+    // Estimated bytes agree with the index's total (which also holds the vision tower) within 0.1%.
+    assert!(
+        (r.weight_bytes as f64 / 1_560_860_324_864.0 - 1.0).abs() < 1e-3,
+        "{}",
+        r.weight_bytes
+    );
+
+    let text = run_ok(
+        bin()
+            .args(["inspect"])
+            .arg(common::golden_dir().join("k3-release-config")),
+    );
+    assert!(
+        text.contains("93 (69 KDA, 24 MLA)") && text.contains("name map: OK"),
+        "{text}"
+    );
+}
+
+#[test]
+fn inspect_works_on_config_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        common::golden_dir().join("k3-release-config/config.json"),
+        dir.path().join("config.json"),
+    )
+    .expect("copy");
+    let r = inspect(dir.path(), None).expect("inspect");
+    assert!(r.name_check.is_none());
+    assert_eq!(r.mla_layers, 24);
+    assert!(
+        r.bytes_by_dtype.contains_key("U8"),
+        "MXFP4 experts from the quantization_config"
+    );
+    let out = bin()
+        .arg("inspect")
+        .arg(dir.path())
+        .arg("--json")
+        .output()
+        .expect("run");
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["num_layers"], 93);
+}
+
+#[test]
+fn logits_command_reproduces_golden_logits() {
+    for case in ["k3-tiny", "k31-tiny-indexer"] {
+        let g = Golden::open(case);
+        let prompt = g.i64("decode.prompt_input_ids");
+        let decode = g.i64("decode.input_ids");
+        let out = tempfile::tempdir().expect("tempdir");
+        let file = out.path().join("logits.safetensors");
+        run_ok(
+            bin()
+                .args(["logits", "--model"])
+                .arg(&g.dir)
+                .args([
+                    "--prompt-ids",
+                    &serde_json::to_string(&prompt).expect("json"),
+                ])
+                .args([
+                    "--decode-ids",
+                    &serde_json::to_string(&decode).expect("json"),
+                ])
+                .arg("--out")
+                .arg(&file),
+        );
+        let ck = Checkpoint::open_file(&file).expect("output");
+        let dec = ck.read_f32(ck.info("decode_logits").expect("decode_logits"));
+        assert_eq!(
+            ck.info("decode_logits").expect("info").shape,
+            vec![decode.len(), 256]
+        );
+        assert_close(case, &dec, &g.f32("decode.logits"), g.tol_logits());
+        // prefill_logits of the decode prompt: compare with the golden prefill of the same prompt.
+        let len = prompt.len();
+        let pre = ck.read_f32(ck.info("prefill_logits").expect("prefill_logits"));
+        assert_close(
+            case,
+            &pre,
+            &g.f32(&format!("prefill.len{len}.logits")),
+            g.tol_logits(),
+        );
+    }
+}
+
+#[test]
+fn bad_cli_input_is_a_clear_error() {
+    let g = common::golden_dir().join("k3-tiny");
+    for ids in ["[1, 99999]", "[1, -2]", "not json", "[]"] {
+        let out = bin()
+            .args(["generate", "--model"])
+            .arg(&g)
+            .args(["--prompt-ids", ids])
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "{ids} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("Error:") && !err.contains("panicked"),
+            "{ids}: {err}"
+        );
+    }
+}
+
+/// The tiny K3.1 + MXFP4 checkpoint that `make-tiny` writes (the server's embedded default):
+/// loads, prefill+decode equals prefill(all) across a chunk boundary with the indexer pruning, and
+/// generation is deterministic.
+#[test]
+fn make_tiny_k31_mxfp4_runs_end_to_end() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    make_tiny(
+        dir.path(),
+        &TinyOptions {
+            seed: 7,
+            k31: true,
+            mxfp4: true,
+        },
+    )
+    .expect("make-tiny");
+    let m = Model::load(dir.path()).expect("load tiny");
+    let c = m.text_config().clone();
+    assert_eq!(c.indexer.as_ref().map(|i| i.topk), Some(64));
+    let ids: Vec<u32> = (0..100u32).map(|i| (i * 37 + 11) % 256).collect();
+    let full = m
+        .forward(&ids, &mut m.new_state(), LogitsFor::AllTokens, None)
+        .expect("prefill all");
+    let mut st = m.new_state();
+    let split = 70;
+    let mut tr = Trace::default();
+    m.forward(&ids[..split], &mut st, LogitsFor::AllTokens, Some(&mut tr))
+        .expect("prefill");
+    // The indexer prunes: row 69 keeps 64 of 70 candidates.
+    let sel = tr.get_i64("index.layer3.selected").expect("selection");
+    assert_eq!(sel.len(), split * 64);
+    assert!(
+        sel[69 * 64..].iter().all(|&s| s >= 0)
+            && sel[..64].iter().filter(|&&s| s >= 0).count() == 1
+    );
+    for (j, &id) in ids[split..].iter().enumerate() {
+        let row = m
+            .forward(&[id], &mut st, LogitsFor::AllTokens, None)
+            .expect("decode");
+        let want = &full[(split + j) * c.vocab_size..(split + j + 1) * c.vocab_size];
+        assert_close("tiny decode vs prefill", &row, want, 2e-3);
+    }
+
+    let generate = |d: &std::path::Path| {
+        run_ok(bin().args(["generate", "--model"]).arg(d).args([
+            "--prompt-ids",
+            "[1,2,3]",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+        ]))
+    };
+    let a = generate(dir.path());
+    assert_eq!(a.lines().count(), 5);
+    assert!(a.lines().all(|l| {
+        l.parse::<u32>()
+            .is_ok_and(|id| (id as usize) < c.vocab_size)
+    }));
+    let again = tempfile::tempdir().expect("tempdir");
+    run_ok(
+        bin()
+            .args(["make-tiny", "--seed", "7", "--k31", "--mxfp4", "--out"])
+            .arg(again.path()),
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("model.safetensors")).expect("a"),
+        std::fs::read(again.path().join("model.safetensors")).expect("b"),
+        "make-tiny is deterministic for a seed"
+    );
+    assert_eq!(generate(again.path()), a);
+
+    let bench = run_ok(
+        bin()
+            .args(["bench", "forward", "--model"])
+            .arg(dir.path())
+            .args(["--prompt-len", "16", "--decode", "2", "--json"]),
+    );
+    let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
+    assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
+}
