@@ -201,6 +201,15 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
         assert_close("tiny decode vs prefill", &row, want, 2e-3);
     }
 
+    // Chunked prefill continuing a non-empty state: 40 + 60 tokens equal one 100-token prefill.
+    let mut st = m.new_state();
+    m.forward(&ids[..40], &mut st, LogitsFor::AllTokens, None)
+        .expect("chunk 1");
+    let rest = m
+        .forward(&ids[40..], &mut st, LogitsFor::AllTokens, None)
+        .expect("chunk 2");
+    assert_close("chunked prefill", &rest, &full[40 * c.vocab_size..], 2e-3);
+
     let generate = |d: &std::path::Path| {
         run_ok(bin().args(["generate", "--model"]).arg(d).args([
             "--prompt-ids",
