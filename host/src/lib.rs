@@ -8,3 +8,4 @@
 pub mod bench;
 pub mod inspect;
 pub mod model;
+pub mod tokenizer;

@@ -1,7 +1,8 @@
 //! `make-tiny`: a small random checkpoint in the real Kimi-K3 layout (outer `kimi_k3` config with
 //! `text_config`, `language_model.*` names, optional MXFP4 experts and K3.1 indexer). The tensor
 //! list comes from the model's own loader (through [`NameRecorder`]), so whatever this writes, the
-//! engine loads. Random weights: it speaks nonsense, but every code path is real.
+//! engine loads. A byte-level tokenizer (256 byte ranks + the K3 special names) is written beside
+//! it. Random weights: it speaks nonsense, but every code path is real.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -197,6 +198,7 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
         path: path.display().to_string(),
         msg: e.to_string(),
     })?;
+    crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))?;
     let cfg_path = out.join("config.json");
     let text = serde_json::to_string_pretty(&config_json).unwrap_or_default();
     std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))?;
