@@ -7,9 +7,11 @@ use clap::{Parser, Subcommand};
 use safetensors::{Dtype, tensor::TensorView};
 
 use kimi_host::bench::{argmax, bench_forward};
+use kimi_host::bench_tokenizer::bench_tokenizer;
 use kimi_host::inspect::inspect;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
+use kimi_host::tokenizer::Tokenizer;
 
 #[derive(Parser)]
 #[command(
@@ -76,6 +78,27 @@ enum Command {
         #[arg(long)]
         mxfp4: bool,
     },
+    /// Encode text to ids (or decode ids to text).
+    Tokenize {
+        /// Directory with tiktoken.model (and optionally tokenizer_config.json).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Text to encode (plain text: special-token spellings stay ordinary text).
+        #[arg(long, conflicts_with_all = ["file", "decode"])]
+        text: Option<String>,
+        /// File whose contents to encode.
+        #[arg(long, conflicts_with = "decode")]
+        file: Option<PathBuf>,
+        /// Ids to decode, as a JSON array.
+        #[arg(long)]
+        decode: Option<String>,
+        /// Recognise special-token spellings in the text (raw prompts only).
+        #[arg(long)]
+        allow_special: bool,
+        /// Print ids as a JSON array (default: space-separated).
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -83,6 +106,16 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Encode MB/s on a mixed-language corpus, beside Python tiktoken when it is importable.
+    Tokenizer {
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Corpus size in MB.
+        #[arg(long, default_value_t = 8.0)]
+        mb: f64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Prefill and decode tokens/s, with measured memory bandwidth as the baseline.
     Forward {
         #[arg(long)]
@@ -212,6 +245,56 @@ fn main() -> Result<()> {
                 if k31 { ".1" } else { "" },
                 out.display()
             );
+        }
+        Command::Tokenize {
+            tokenizer,
+            text,
+            file,
+            decode,
+            allow_special,
+            json,
+        } => {
+            let tok = Tokenizer::load(&tokenizer)
+                .with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?;
+            if let Some(ids) = decode {
+                let ids = parse_ids(&ids, "--decode")?;
+                print!("{}", tok.decode(&ids)?);
+                return Ok(());
+            }
+            let text = match (text, file) {
+                (Some(t), _) => t,
+                (None, Some(f)) => std::fs::read_to_string(&f)
+                    .with_context(|| format!("reading {}", f.display()))?,
+                (None, None) => bail!("give --text, --file or --decode"),
+            };
+            let ids = if allow_special {
+                tok.encode_with_specials(&text)
+            } else {
+                tok.encode_text(&text)
+            };
+            if json {
+                println!("{}", serde_json::to_string(&ids)?);
+            } else {
+                println!(
+                    "{}",
+                    ids.iter()
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
+            }
+        }
+        Command::Bench(BenchCommand::Tokenizer {
+            tokenizer,
+            mb,
+            json,
+        }) => {
+            let r = bench_tokenizer(&tokenizer, mb)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{r}");
+            }
         }
         Command::Bench(BenchCommand::Forward {
             model,

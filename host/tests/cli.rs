@@ -247,3 +247,46 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
     let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
     assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
 }
+
+#[test]
+fn tokenize_command_encodes_decodes_and_benches() {
+    let kimi = common::golden_dir().join("../tokenizer/kimi");
+    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args([
+        "--text",
+        "Hello world",
+        "--json",
+    ]));
+    assert_eq!(out.trim(), "[19180,2695]");
+    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args([
+        "--text",
+        "<|open|>",
+        "--allow-special",
+    ]));
+    assert_eq!(out.trim(), "163587");
+    let out = run_ok(
+        bin()
+            .args(["tokenize", "--tokenizer"])
+            .arg(&kimi)
+            .args(["--decode", "[19180,2695,163587]"]),
+    );
+    assert_eq!(out, "Hello world<|open|>");
+    let bad = bin()
+        .args(["tokenize", "--tokenizer"])
+        .arg(&kimi)
+        .args(["--decode", "[999999]"])
+        .output()
+        .expect("run");
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("999999"));
+    // Smoke run only: no timing assertion.
+    let out = run_ok(
+        bin()
+            .args(["bench", "tokenizer", "--tokenizer"])
+            .arg(&kimi)
+            .args(["--mb", "0.2", "--json"]),
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert!(v["ids"].as_u64().is_some_and(|n| n > 0));
+    if v["tiktoken"].is_object() {
+        assert_eq!(v["ids_match_tiktoken"], true, "same ids as Python tiktoken");
+    }
+}
