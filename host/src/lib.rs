@@ -9,4 +9,5 @@ pub mod bench;
 pub mod bench_tokenizer;
 pub mod inspect;
 pub mod model;
+pub mod plugins;
 pub mod tokenizer;

@@ -1,0 +1,16 @@
+//! Standard plugins compiled into the binary (built from `plugins/` by `build.rs`).
+
+/// `builtin:<name>` → component bytes.
+pub const BUILTINS: &[(&str, &[u8])] = &[(
+    "sampler-standard",
+    include_bytes!(concat!(env!("OUT_DIR"), "/sampler_standard.wasm")),
+)];
+
+/// Test-only component that misbehaves on request (loops, hoards memory, panics, bad ids).
+pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_hostile.wasm"));
+
+/// Bytes of `builtin:<name>` (or of `<name>`).
+pub fn builtin(name: &str) -> Option<&'static [u8]> {
+    let name = name.strip_prefix("builtin:").unwrap_or(name);
+    BUILTINS.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
+}

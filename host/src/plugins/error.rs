@@ -1,0 +1,24 @@
+//! Plugin errors: each names the plugin, and says whether it was refused at load, trapped,
+//! timed out, ran out of memory, returned something invalid, or reported an error itself.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone)]
+pub enum PluginError {
+    #[error("plugin `{plugin}` rejected: {reason}")]
+    Rejected { plugin: String, reason: String },
+    #[error("plugin `{plugin}` exceeded its {ms} ms deadline")]
+    Timeout { plugin: String, ms: u128 },
+    #[error("plugin `{plugin}` exceeded its memory cap of {mib} MiB")]
+    OutOfMemory { plugin: String, mib: usize },
+    #[error("plugin `{plugin}` trapped: {msg}")]
+    Trap { plugin: String, msg: String },
+    #[error("plugin `{plugin}` returned an invalid result: {msg}")]
+    BadReturn { plugin: String, msg: String },
+    #[error("plugin `{plugin}`: {msg}")]
+    Guest { plugin: String, msg: String },
+    #[error("plugin `{plugin}` is disabled for this tenant after repeated failures")]
+    Disabled { plugin: String },
+    #[error("plugin runtime: {0}")]
+    Runtime(String),
+}

@@ -1,0 +1,509 @@
+//! The host side of every plugin import: per-store state and the implementations of `log`,
+//! `metrics`, `tokenizer`, `logits`, `grammar-engine`, `kv`, `rate-limit` and `clock`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use wasmtime::component::{Resource, ResourceTable};
+use wasmtime::{ResourceLimiter, StoreLimits};
+
+use super::bindings::host::kimi::host::{
+    clock, grammar_engine, kv, log, logits, metrics, rate_limit, tokenizer, types,
+};
+use crate::tokenizer::Tokenizer;
+
+/// What the served model offers plugins: logits width, stop tokens, tokenizer.
+pub struct PluginEnv {
+    pub vocab_size: u32,
+    pub eos_tokens: Vec<u32>,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl PluginEnv {
+    /// An environment from a tokenizer: vocab = its size, stop token `<|end_of_msg|>`.
+    pub fn from_tokenizer(tok: Arc<Tokenizer>, vocab_size: u32) -> PluginEnv {
+        let eos = tok.special_id("<|end_of_msg|>").into_iter().collect();
+        PluginEnv {
+            vocab_size,
+            eos_tokens: eos,
+            tokenizer: Some(tok),
+        }
+    }
+}
+
+/// Host services scoped to one tenant (plugins of other tenants never reach them).
+#[derive(Default)]
+pub struct TenantServices {
+    kv: Mutex<HashMap<String, KvEntry>>,
+    buckets: Mutex<HashMap<String, Bucket>>,
+    pub metrics: Mutex<HashMap<String, f64>>,
+}
+
+struct KvEntry {
+    value: Vec<u8>,
+    version: u64,
+    expires: Option<Instant>,
+}
+
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+/// Most keys a tenant may keep, and the largest value.
+const KV_MAX_KEYS: usize = 10_000;
+const KV_MAX_VALUE: usize = 64 << 10;
+
+impl TenantServices {
+    pub fn kv_get(&self, key: &str) -> Option<(Vec<u8>, u64)> {
+        let mut m = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if m.get(key)
+            .is_some_and(|e| e.expires.is_some_and(|t| t <= now))
+        {
+            m.remove(key);
+        }
+        m.get(key).map(|e| (e.value.clone(), e.version))
+    }
+
+    pub fn kv_cas(&self, key: &str, value: Vec<u8>, expected: Option<u64>, ttl_ms: u32) -> bool {
+        if value.len() > KV_MAX_VALUE || key.len() > 1024 {
+            return false;
+        }
+        let mut m = self.kv.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if m.get(key)
+            .is_some_and(|e| e.expires.is_some_and(|t| t <= now))
+        {
+            m.remove(key);
+        }
+        let current = m.get(key).map(|e| e.version);
+        if current != expected {
+            return false;
+        }
+        if current.is_none() && m.len() >= KV_MAX_KEYS {
+            return false;
+        }
+        let expires = (ttl_ms > 0).then(|| now + Duration::from_millis(ttl_ms as u64));
+        m.insert(
+            key.to_string(),
+            KvEntry {
+                value,
+                version: current.map_or(1, |v| v + 1),
+                expires,
+            },
+        );
+        true
+    }
+
+    /// Token bucket: Ok, or milliseconds until `amount` is available.
+    pub fn try_acquire(
+        &self,
+        name: &str,
+        amount: u32,
+        per_second: f64,
+        burst: u32,
+    ) -> Result<(), u64> {
+        let mut m = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let b = m.entry(name.to_string()).or_insert(Bucket {
+            tokens: burst as f64,
+            last: now,
+        });
+        let rate = per_second.max(0.0);
+        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(burst as f64);
+        b.last = now;
+        let want = amount as f64;
+        if want > burst as f64 {
+            return Err(u64::MAX);
+        }
+        if b.tokens >= want {
+            b.tokens -= want;
+            Ok(())
+        } else if rate > 0.0 {
+            Err(((want - b.tokens) / rate * 1000.0).ceil() as u64)
+        } else {
+            Err(u64::MAX)
+        }
+    }
+
+    pub fn release(&self, name: &str, amount: u32) {
+        let mut m = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = m.get_mut(name) {
+            b.tokens += amount as f64;
+        }
+    }
+}
+
+/// Marker for the `step-logits` resource; the rows themselves live in [`HostState::step`].
+pub struct StepLogits;
+
+/// Borrowed logits rows, valid only while a `sample` call runs (the caller holds the borrow).
+#[derive(Default)]
+pub struct StepView {
+    rows: Vec<(usize, usize)>,
+    full_access: bool,
+}
+
+// SAFETY: the pointers are only dereferenced during the call that set them, on the calling thread.
+unsafe impl Send for StepView {}
+
+impl StepView {
+    /// # Safety
+    /// The rows must stay alive and unmodified until [`StepView::clear`].
+    pub unsafe fn set(&mut self, rows: &[&[f32]], full_access: bool) {
+        self.rows = rows
+            .iter()
+            .map(|r| (r.as_ptr() as usize, r.len()))
+            .collect();
+        self.full_access = full_access;
+    }
+
+    pub fn clear(&mut self) {
+        self.rows.clear();
+    }
+
+    fn row(&self, i: u32) -> wasmtime::Result<&[f32]> {
+        let &(p, n) = self
+            .rows
+            .get(i as usize)
+            .ok_or_else(|| wasmtime::format_err!("step-logits row {i} out of range"))?;
+        // SAFETY: see `set`.
+        Ok(unsafe { std::slice::from_raw_parts(p as *const f32, n) })
+    }
+}
+
+/// Per-store host state.
+pub struct HostState {
+    pub limits: StoreLimits,
+    pub table: ResourceTable,
+    pub env: Arc<PluginEnv>,
+    pub tenant: Arc<TenantServices>,
+    pub plugin: String,
+    pub tenant_name: String,
+    pub step: StepView,
+    log_budget: u32,
+}
+
+impl HostState {
+    pub fn new(
+        env: Arc<PluginEnv>,
+        tenant: Arc<TenantServices>,
+        tenant_name: &str,
+        plugin: &str,
+        limits: StoreLimits,
+    ) -> Self {
+        HostState {
+            limits,
+            table: ResourceTable::new(),
+            env,
+            tenant,
+            plugin: plugin.to_string(),
+            tenant_name: tenant_name.to_string(),
+            step: StepView::default(),
+            log_budget: 1000,
+        }
+    }
+}
+
+impl ResourceLimiter for HostState {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.limits.memory_growing(current, desired, maximum)
+    }
+
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.limits.table_growing(current, desired, maximum)
+    }
+
+    fn instances(&self) -> usize {
+        self.limits.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.limits.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.limits.memories()
+    }
+}
+
+impl types::Host for HostState {}
+
+impl log::Host for HostState {
+    fn emit(&mut self, lvl: log::Level, msg: String) -> wasmtime::Result<()> {
+        if self.log_budget == 0 {
+            return Ok(());
+        }
+        self.log_budget -= 1;
+        let mut msg = msg;
+        if msg.len() > 1024 {
+            let mut cut = 1024;
+            while !msg.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            msg.truncate(cut);
+        }
+        let (tenant, plugin) = (&self.tenant_name, &self.plugin);
+        match lvl {
+            log::Level::Debug => tracing::debug!(tenant, plugin, "{msg}"),
+            log::Level::Info => tracing::info!(tenant, plugin, "{msg}"),
+            log::Level::Warn => tracing::warn!(tenant, plugin, "{msg}"),
+            log::Level::Error => tracing::error!(tenant, plugin, "{msg}"),
+        }
+        Ok(())
+    }
+}
+
+impl metrics::Host for HostState {
+    fn counter_add(&mut self, name: String, value: u64) -> wasmtime::Result<()> {
+        let key = format!("{}:{name}", self.plugin);
+        let mut m = self
+            .tenant
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if m.len() < 1000 || m.contains_key(&key) {
+            *m.entry(key).or_default() += value as f64;
+        }
+        Ok(())
+    }
+
+    fn observe(&mut self, name: String, value: f64) -> wasmtime::Result<()> {
+        let key = format!("{}:{name}", self.plugin);
+        let mut m = self
+            .tenant
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if m.len() < 1000 || m.contains_key(&key) {
+            m.insert(key, value);
+        }
+        Ok(())
+    }
+}
+
+impl tokenizer::Host for HostState {
+    fn vocab_size(&mut self) -> wasmtime::Result<u32> {
+        Ok(self.env.vocab_size)
+    }
+
+    fn eos_tokens(&mut self) -> wasmtime::Result<Vec<u32>> {
+        Ok(self.env.eos_tokens.clone())
+    }
+
+    fn special_id(&mut self, name: String) -> wasmtime::Result<Option<u32>> {
+        Ok(self
+            .env
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.special_id(&name)))
+    }
+
+    fn token_bytes(&mut self, ids: Vec<u32>) -> wasmtime::Result<Vec<Vec<u8>>> {
+        Ok(ids
+            .iter()
+            .map(|&i| {
+                self.env
+                    .tokenizer
+                    .as_ref()
+                    .and_then(|t| t.token_bytes(i))
+                    .map(<[u8]>::to_vec)
+                    .unwrap_or_default()
+            })
+            .collect())
+    }
+
+    fn encode(&mut self, text: String) -> wasmtime::Result<Vec<u32>> {
+        Ok(self
+            .env
+            .tokenizer
+            .as_ref()
+            .map(|t| t.encode_text(&text))
+            .unwrap_or_default())
+    }
+
+    fn decode(&mut self, ids: Vec<u32>) -> wasmtime::Result<String> {
+        Ok(match &self.env.tokenizer {
+            Some(t) => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .filter_map(|&i| t.token_bytes(i))
+                    .flatten()
+                    .copied()
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            None => String::new(),
+        })
+    }
+}
+
+fn stats_of(row: &[f32]) -> types::LogitStats {
+    let mut argmax = 0usize;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[argmax] || row[argmax].is_nan() {
+            argmax = i;
+        }
+    }
+    let max = row.get(argmax).copied().unwrap_or(f32::NEG_INFINITY);
+    types::LogitStats {
+        max_logit: max,
+        log_sum_exp: kimi_sampling_core::log_sum_exp(row, 1.0),
+        argmax: argmax as u32,
+    }
+}
+
+/// Stats of a logits row as the `logit-stats` record.
+pub fn row_stats(row: &[f32]) -> types::LogitStats {
+    stats_of(row)
+}
+
+impl logits::Host for HostState {}
+
+impl logits::HostStepLogits for HostState {
+    fn rows(&mut self, _s: Resource<StepLogits>) -> wasmtime::Result<u32> {
+        Ok(self.step.rows.len() as u32)
+    }
+
+    fn stats(&mut self, _s: Resource<StepLogits>, row: u32) -> wasmtime::Result<types::LogitStats> {
+        Ok(stats_of(self.step.row(row)?))
+    }
+
+    fn log_sum_exp(
+        &mut self,
+        _s: Resource<StepLogits>,
+        row: u32,
+        temperature: f32,
+    ) -> wasmtime::Result<f32> {
+        if !(temperature > 0.0) {
+            wasmtime::bail!("log-sum-exp: temperature must be > 0");
+        }
+        Ok(kimi_sampling_core::log_sum_exp(
+            self.step.row(row)?,
+            temperature,
+        ))
+    }
+
+    fn top_k(
+        &mut self,
+        _s: Resource<StepLogits>,
+        row: u32,
+        k: u32,
+    ) -> wasmtime::Result<Vec<types::Candidate>> {
+        let r = self.step.row(row)?;
+        Ok(kimi_sampling_core::top_k(r, k as usize)
+            .into_iter()
+            .map(|(token, logit)| types::Candidate { token, logit })
+            .collect())
+    }
+
+    fn gather(
+        &mut self,
+        _s: Resource<StepLogits>,
+        row: u32,
+        ids: Vec<u32>,
+    ) -> wasmtime::Result<Vec<f32>> {
+        let r = self.step.row(row)?;
+        Ok(ids
+            .iter()
+            .map(|&i| r.get(i as usize).copied().unwrap_or(f32::NAN))
+            .collect())
+    }
+
+    fn masked_argmax(
+        &mut self,
+        _s: Resource<StepLogits>,
+        row: u32,
+        allowed: Vec<u32>,
+    ) -> wasmtime::Result<Option<types::Candidate>> {
+        let r = self.step.row(row)?;
+        let best = allowed
+            .iter()
+            .filter_map(|&i| r.get(i as usize).map(|&l| (i, l)))
+            .filter(|(_, l)| !l.is_nan())
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+        Ok(best.map(|(token, logit)| types::Candidate { token, logit }))
+    }
+
+    fn read(
+        &mut self,
+        _s: Resource<StepLogits>,
+        row: u32,
+        start: u32,
+        len: u32,
+    ) -> wasmtime::Result<Vec<f32>> {
+        if !self.step.full_access {
+            wasmtime::bail!(
+                "step-logits.read: this plugin did not ask for full logits in `describe`"
+            );
+        }
+        let r = self.step.row(row)?;
+        let s = (start as usize).min(r.len());
+        let e = s.saturating_add(len as usize).min(r.len());
+        Ok(r[s..e].to_vec())
+    }
+
+    fn drop(&mut self, s: Resource<StepLogits>) -> wasmtime::Result<()> {
+        self.table.delete(s)?;
+        Ok(())
+    }
+}
+
+impl grammar_engine::Host for HostState {
+    fn validate(&mut self, c: grammar_engine::Constraint) -> wasmtime::Result<Option<String>> {
+        Ok(crate::plugins::grammar_check::validate(&c))
+    }
+}
+
+impl kv::Host for HostState {
+    fn get(&mut self, key: String) -> wasmtime::Result<Option<(Vec<u8>, u64)>> {
+        Ok(self.tenant.kv_get(&key))
+    }
+
+    fn compare_and_set(
+        &mut self,
+        key: String,
+        value: Vec<u8>,
+        expected: Option<u64>,
+        ttl_ms: u32,
+    ) -> wasmtime::Result<bool> {
+        Ok(self.tenant.kv_cas(&key, value, expected, ttl_ms))
+    }
+}
+
+impl rate_limit::Host for HostState {
+    fn try_acquire(
+        &mut self,
+        name: String,
+        amount: u32,
+        per_second: f64,
+        burst: u32,
+    ) -> wasmtime::Result<Result<(), u64>> {
+        Ok(self.tenant.try_acquire(&name, amount, per_second, burst))
+    }
+
+    fn release(&mut self, name: String, amount: u32) -> wasmtime::Result<()> {
+        self.tenant.release(&name, amount);
+        Ok(())
+    }
+}
+
+impl clock::Host for HostState {
+    fn now_ms(&mut self) -> wasmtime::Result<u64> {
+        Ok(SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64))
+    }
+}

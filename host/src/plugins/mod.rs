@@ -1,0 +1,18 @@
+//! The plugin platform: tenants' WebAssembly components (samplers, grammars, templates,
+//! policies) run sandboxed in wasmtime — memory caps, call deadlines, no ambient authority — and
+//! a failing plugin fails only the request or sequence it was serving.
+
+pub mod bindings;
+pub mod builtin;
+pub mod error;
+pub mod grammar_check;
+pub mod health;
+pub mod host;
+pub mod runtime;
+pub mod sampler;
+
+pub use error::PluginError;
+pub use health::PluginHealth;
+pub use host::{PluginEnv, TenantServices};
+pub use runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, RuntimeOptions};
+pub use sampler::{SamplerInstance, SamplerPlugin, SeqHandle, TenantSampler};

@@ -1,0 +1,374 @@
+//! Sampler plugins: one instance per (tenant, plugin), per-sequence state in `sequence`
+//! resources, one batched `sample` call per engine step with the logits kept on the host.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use wasmtime::Store;
+use wasmtime::component::{Resource, ResourceAny};
+
+use super::bindings::host::kimi::host::types::{Candidate, PluginError as GuestError, RequestInfo};
+use super::bindings::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Row};
+use super::bindings::sampler::{Sampler, SamplerPre};
+use super::error::PluginError;
+use super::health::PluginHealth;
+use super::host::{HostState, PluginEnv, StepLogits, TenantServices, row_stats};
+use super::runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, set_deadline};
+
+/// A loaded sampler component, ready to instantiate cheaply.
+pub struct SamplerPlugin {
+    pub name: String,
+    pre: SamplerPre<HostState>,
+    runtime: Arc<PluginRuntime>,
+    pub limits: KindLimits,
+}
+
+impl SamplerPlugin {
+    pub fn new(
+        runtime: Arc<PluginRuntime>,
+        compiled: &CompiledPlugin,
+    ) -> Result<SamplerPlugin, PluginError> {
+        if compiled.kind != PluginKind::Sampler {
+            return Err(PluginError::Rejected {
+                plugin: compiled.name.clone(),
+                reason: format!("is a {} plugin, not a sampler", compiled.kind.name()),
+            });
+        }
+        let linker = runtime.linker(PluginKind::Sampler, &compiled.component)?;
+        let pre =
+            linker
+                .instantiate_pre(&compiled.component)
+                .map_err(|e| PluginError::Rejected {
+                    plugin: compiled.name.clone(),
+                    reason: format!("{e:#}"),
+                })?;
+        let pre = SamplerPre::new(pre).map_err(|e| PluginError::Rejected {
+            plugin: compiled.name.clone(),
+            reason: format!("does not match the sampler world: {e:#}"),
+        })?;
+        Ok(SamplerPlugin {
+            name: compiled.name.clone(),
+            pre,
+            runtime,
+            limits: PluginKind::Sampler.default_limits(),
+        })
+    }
+
+    pub fn with_limits(mut self, limits: KindLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// A fresh instance for one tenant (its own store, memory and state).
+    pub fn instantiate(
+        &self,
+        env: Arc<PluginEnv>,
+        tenant: Arc<TenantServices>,
+        tenant_name: &str,
+    ) -> Result<SamplerInstance, PluginError> {
+        let mut store = self.runtime.store(
+            PluginKind::Sampler,
+            self.limits,
+            env,
+            tenant,
+            tenant_name,
+            &self.name,
+        );
+        let bindings = self
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| call_error(&self.name, &self.limits, e))?;
+        let caps = bindings
+            .kimi_host_sampler_plugin()
+            .call_describe(&mut store)
+            .map_err(|e| call_error(&self.name, &self.limits, e))?;
+        Ok(SamplerInstance {
+            name: self.name.clone(),
+            store,
+            bindings,
+            caps,
+            limits: self.limits,
+            poisoned: false,
+        })
+    }
+}
+
+/// A sequence's state inside a sampler instance.
+pub struct SeqHandle(ResourceAny);
+
+pub struct SamplerInstance {
+    pub name: String,
+    store: Store<HostState>,
+    bindings: Sampler,
+    pub caps: Capabilities,
+    limits: KindLimits,
+    poisoned: bool,
+}
+
+/// Maps a wasmtime error from a call to a plugin error naming the plugin.
+pub fn call_error(plugin: &str, limits: &KindLimits, e: wasmtime::Error) -> PluginError {
+    if let Some(trap) = e.downcast_ref::<wasmtime::Trap>()
+        && *trap == wasmtime::Trap::Interrupt
+    {
+        return PluginError::Timeout {
+            plugin: plugin.to_string(),
+            ms: limits.call.as_millis(),
+        };
+    }
+    let msg = format!("{e:#}");
+    if msg.contains("forcing trap when growing memory") {
+        return PluginError::OutOfMemory {
+            plugin: plugin.to_string(),
+            mib: limits.memory_bytes >> 20,
+        };
+    }
+    PluginError::Trap {
+        plugin: plugin.to_string(),
+        msg: first_line(&msg),
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or(s).chars().take(300).collect()
+}
+
+fn guest_error(plugin: &str, e: GuestError) -> PluginError {
+    let msg = match e {
+        GuestError::BadConfig(m) => format!("bad parameters: {m}"),
+        GuestError::Unsupported(m) => format!("unsupported: {m}"),
+        GuestError::Rejected(m) => format!("rejected: {m}"),
+        GuestError::Internal(m) => m,
+    };
+    PluginError::Guest {
+        plugin: plugin.to_string(),
+        msg,
+    }
+}
+
+impl SamplerInstance {
+    /// True after a trap: the instance must be discarded.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    fn guard<T>(&mut self, r: wasmtime::Result<T>) -> Result<T, PluginError> {
+        r.map_err(|e| {
+            self.poisoned = true;
+            call_error(&self.name, &self.limits, e)
+        })
+    }
+
+    fn arm(&mut self) -> Result<(), PluginError> {
+        if self.poisoned {
+            return Err(PluginError::Trap {
+                plugin: self.name.clone(),
+                msg: "instance was discarded after a failure".into(),
+            });
+        }
+        set_deadline(&mut self.store, self.limits.call);
+        Ok(())
+    }
+
+    pub fn create_sequence(
+        &mut self,
+        req: &RequestInfo,
+        params_json: &str,
+        seed: u64,
+    ) -> Result<SeqHandle, PluginError> {
+        self.arm()?;
+        let r = self
+            .bindings
+            .kimi_host_sampler_plugin()
+            .sequence()
+            .call_create(&mut self.store, req, params_json, seed);
+        match self.guard(r)? {
+            Ok(h) => Ok(SeqHandle(h)),
+            Err(e) => Err(guest_error(&self.name, e)),
+        }
+    }
+
+    pub fn accept(&mut self, seq: &SeqHandle, ids: &[u32]) -> Result<(), PluginError> {
+        self.arm()?;
+        let r = self
+            .bindings
+            .kimi_host_sampler_plugin()
+            .sequence()
+            .call_accept(&mut self.store, seq.0, ids);
+        self.guard(r)
+    }
+
+    pub fn rollback(&mut self, seq: &SeqHandle, n: u32) -> Result<(), PluginError> {
+        self.arm()?;
+        let r = self
+            .bindings
+            .kimi_host_sampler_plugin()
+            .sequence()
+            .call_rollback(&mut self.store, seq.0, n);
+        self.guard(r)
+    }
+
+    pub fn fork(&mut self, seq: &SeqHandle, seed: u64) -> Result<SeqHandle, PluginError> {
+        self.arm()?;
+        let r = self
+            .bindings
+            .kimi_host_sampler_plugin()
+            .sequence()
+            .call_fork(&mut self.store, seq.0, seed);
+        self.guard(r).map(SeqHandle)
+    }
+
+    /// Frees a sequence's state in the guest.
+    pub fn drop_sequence(&mut self, seq: SeqHandle) -> Result<(), PluginError> {
+        if self.poisoned {
+            return Ok(());
+        }
+        set_deadline(&mut self.store, self.limits.call);
+        let r = seq.0.resource_drop(&mut self.store);
+        self.guard(r)
+    }
+
+    /// One engine step: for each (sequence, logits row) a token, or an error for that sequence.
+    /// A trap or timeout fails the whole call (and poisons the instance).
+    pub fn sample(
+        &mut self,
+        rows: &[(&SeqHandle, &[f32])],
+        health: Option<&PluginHealth>,
+    ) -> Result<Vec<Result<u32, PluginError>>, PluginError> {
+        self.arm()?;
+        let vocab = self.store.data().env.vocab_size;
+        let k = self.caps.max_candidates as usize;
+        let wit_rows: Vec<Row> = rows
+            .iter()
+            .map(|(seq, logits)| Row {
+                seq: seq.0,
+                candidates: kimi_sampling_core::top_k(logits, k)
+                    .into_iter()
+                    .map(|(token, logit)| Candidate { token, logit })
+                    .collect(),
+                stats: row_stats(logits),
+            })
+            .collect();
+        let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
+        // SAFETY: `slices` borrow from `rows`, which outlive this call; cleared below.
+        unsafe {
+            self.store
+                .data_mut()
+                .step
+                .set(&slices, self.caps.full_logits)
+        };
+        let handle: Resource<StepLogits> = match self.store.data_mut().table.push(StepLogits) {
+            Ok(h) => h,
+            Err(e) => {
+                self.store.data_mut().step.clear();
+                return Err(PluginError::Runtime(format!("resource table: {e}")));
+            }
+        };
+        let rep = handle.rep();
+        let t = Instant::now();
+        let r = self.bindings.kimi_host_sampler_plugin().call_sample(
+            &mut self.store,
+            &wit_rows,
+            Resource::new_borrow(rep),
+        );
+        let elapsed = t.elapsed();
+        self.store.data_mut().step.clear();
+        let _ = self.store.data_mut().table.delete(handle);
+        if let Some(h) = health {
+            h.record_call(elapsed);
+        }
+        let out = self.guard(r)?;
+        if out.len() != rows.len() {
+            self.poisoned = true;
+            return Err(PluginError::BadReturn {
+                plugin: self.name.clone(),
+                msg: format!(
+                    "`sample` returned {} results for {} rows",
+                    out.len(),
+                    rows.len()
+                ),
+            });
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| match r {
+                Ok(id) if id < vocab => Ok(id),
+                Ok(id) => Err(PluginError::BadReturn {
+                    plugin: self.name.clone(),
+                    msg: format!("token id {id} is outside the vocabulary ({vocab})"),
+                }),
+                Err(e) => Err(guest_error(&self.name, e)),
+            })
+            .collect())
+    }
+}
+
+/// One tenant's use of one sampler plugin: a live instance (re-created after a failure) and the
+/// circuit breaker that disables the plugin for this tenant after repeated failures.
+pub struct TenantSampler {
+    pub plugin: Arc<SamplerPlugin>,
+    pub health: Arc<PluginHealth>,
+    env: Arc<PluginEnv>,
+    services: Arc<TenantServices>,
+    tenant: String,
+    instance: Option<SamplerInstance>,
+}
+
+impl TenantSampler {
+    pub fn new(
+        plugin: Arc<SamplerPlugin>,
+        env: Arc<PluginEnv>,
+        services: Arc<TenantServices>,
+        tenant: &str,
+    ) -> Self {
+        TenantSampler {
+            plugin,
+            health: Arc::default(),
+            env,
+            services,
+            tenant: tenant.to_string(),
+            instance: None,
+        }
+    }
+
+    /// The live instance, instantiating a fresh one if there is none or the last one failed.
+    pub fn instance(&mut self) -> Result<&mut SamplerInstance, PluginError> {
+        if self.health.is_disabled() {
+            return Err(PluginError::Disabled {
+                plugin: self.plugin.name.clone(),
+            });
+        }
+        if self.instance.as_ref().is_none_or(|i| i.is_poisoned()) {
+            self.instance = None;
+            match self
+                .plugin
+                .instantiate(self.env.clone(), self.services.clone(), &self.tenant)
+            {
+                Ok(i) => self.instance = Some(i),
+                Err(e) => {
+                    self.health
+                        .record_failure(true, matches!(e, PluginError::Timeout { .. }));
+                    return Err(e);
+                }
+            }
+        }
+        self.instance
+            .as_mut()
+            .ok_or_else(|| PluginError::Runtime("no sampler instance".into()))
+    }
+
+    /// Records the outcome of a call for the circuit breaker.
+    pub fn observe<T>(&self, r: &Result<T, PluginError>) {
+        if let Err(e) = r {
+            let timeout = matches!(e, PluginError::Timeout { .. });
+            let trap = matches!(
+                e,
+                PluginError::Trap { .. }
+                    | PluginError::OutOfMemory { .. }
+                    | PluginError::BadReturn { .. }
+            );
+            if timeout || trap {
+                self.health.record_failure(trap, timeout);
+            }
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! The plugin platform: sandbox limits with hostile components, tenant isolation, and the
+//! standard sampler's correctness (determinism, greedy, exact distributions).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
+use kimi_host::plugins::builtin::{TEST_HOSTILE, builtin};
+use kimi_host::plugins::{
+    KindLimits, PluginEnv, PluginError, PluginKind, PluginRuntime, RuntimeOptions, SamplerPlugin,
+    TenantSampler, TenantServices,
+};
+
+fn runtime(cache: &tempfile::TempDir) -> Arc<PluginRuntime> {
+    PluginRuntime::new(RuntimeOptions {
+        pooling: true,
+        cache_dir: Some(cache.path().to_path_buf()),
+    })
+    .expect("runtime")
+}
+
+fn env(vocab: u32) -> Arc<PluginEnv> {
+    Arc::new(PluginEnv {
+        vocab_size: vocab,
+        eos_tokens: vec![vocab - 1],
+        tokenizer: None,
+    })
+}
+
+fn req(tenant: &str) -> RequestInfo {
+    RequestInfo {
+        tenant: tenant.into(),
+        request_id: "r1".into(),
+        model: "tiny".into(),
+        params_json: "{}".into(),
+    }
+}
+
+fn sampler(rt: &Arc<PluginRuntime>, name: &str, bytes: &[u8]) -> Arc<SamplerPlugin> {
+    let compiled = rt.load(name, bytes).expect("component loads");
+    assert_eq!(compiled.kind, PluginKind::Sampler);
+    Arc::new(SamplerPlugin::new(rt.clone(), &compiled).expect("sampler"))
+}
+
+fn logits(vocab: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..vocab)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 10_000) as f32 / 10_000.0) * 6.0 - 3.0
+        })
+        .collect()
+}
+
+#[test]
+fn hostile_components_fail_only_their_request() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let deadline = Duration::from_millis(20);
+    let limits = KindLimits {
+        memory_bytes: 16 << 20,
+        call: deadline,
+        init: Duration::from_secs(2),
+    };
+    let compiled = rt.load("test-hostile", TEST_HOSTILE).expect("loads");
+    let plugin = Arc::new(
+        SamplerPlugin::new(rt.clone(), &compiled)
+            .expect("sampler")
+            .with_limits(limits),
+    );
+    let services = Arc::new(TenantServices::default());
+    let mut ts = TenantSampler::new(plugin, env(64), services, "acme");
+    let row = logits(64, 1);
+    let argmax = row
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .expect("row");
+
+    // Infinite loop: trapped within 10× its deadline; the next request succeeds.
+    let inst = ts.instance().expect("instance");
+    let seq = inst.create_sequence(&req("acme"), "loop", 1).expect("seq");
+    let t = Instant::now();
+    let r = inst.sample(&[(&seq, &row)], None);
+    let took = t.elapsed();
+    assert!(matches!(r, Err(PluginError::Timeout { .. })), "{r:?}");
+    assert!(
+        took < deadline * 10,
+        "loop trapped after {took:?} (deadline {deadline:?})"
+    );
+    ts.observe(&r);
+    let inst = ts.instance().expect("fresh instance after the trap");
+    let ok = inst.create_sequence(&req("acme"), "ok", 1).expect("seq");
+    assert_eq!(
+        inst.sample(&[(&ok, &row)], None).expect("call")[0]
+            .as_ref()
+            .expect("token"),
+        &argmax
+    );
+
+    // Unbounded memory growth traps at the cap.
+    let inst = ts.instance().expect("instance");
+    let seq = inst.create_sequence(&req("acme"), "grow", 1).expect("seq");
+    let r = inst.sample(&[(&seq, &row)], None);
+    assert!(
+        matches!(r, Err(PluginError::OutOfMemory { mib: 16, .. })),
+        "{r:?}"
+    );
+
+    // A panic fails the call with an error naming the plugin.
+    let mut ts2 = TenantSampler::new(
+        ts.plugin.clone(),
+        env(64),
+        Arc::new(TenantServices::default()),
+        "acme",
+    );
+    let inst = ts2.instance().expect("instance");
+    let seq = inst.create_sequence(&req("acme"), "panic", 1).expect("seq");
+    let err = inst.sample(&[(&seq, &row)], None).expect_err("panic traps");
+    assert!(
+        matches!(err, PluginError::Trap { .. }) && err.to_string().contains("test-hostile"),
+        "{err}"
+    );
+
+    // An out-of-range token fails that sequence only.
+    let inst = ts2.instance().expect("instance");
+    let bad = inst
+        .create_sequence(&req("acme"), "bad-token", 1)
+        .expect("seq");
+    let good = inst.create_sequence(&req("acme"), "ok", 1).expect("seq");
+    let out = inst
+        .sample(&[(&bad, &row), (&good, &row)], None)
+        .expect("call");
+    assert!(
+        matches!(&out[0], Err(PluginError::BadReturn { msg, .. }) if msg.contains("outside the vocabulary")),
+        "{:?}",
+        out[0]
+    );
+    assert_eq!(out[1].as_ref().expect("good row"), &argmax);
+}
+
+#[test]
+fn repeated_failures_disable_the_plugin_for_that_tenant() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let plugin = sampler(&rt, "test-hostile", TEST_HOSTILE);
+    let mut a = TenantSampler::new(
+        plugin.clone(),
+        env(64),
+        Arc::new(TenantServices::default()),
+        "a",
+    );
+    let mut b = TenantSampler::new(plugin, env(64), Arc::new(TenantServices::default()), "b");
+    let row = logits(64, 2);
+    for _ in 0..3 {
+        let inst = a.instance().expect("instance");
+        let seq = inst.create_sequence(&req("a"), "panic", 1).expect("seq");
+        let r = inst.sample(&[(&seq, &row)], None);
+        a.observe(&r);
+    }
+    assert!(matches!(a.instance(), Err(PluginError::Disabled { .. })));
+    assert!(a.health.traps.load(std::sync::atomic::Ordering::Relaxed) >= 3);
+    // Another tenant using the same plugin is unaffected.
+    let inst = b.instance().expect("tenant b still works");
+    let seq = inst.create_sequence(&req("b"), "ok", 1).expect("seq");
+    assert!(inst.sample(&[(&seq, &row)], None).expect("call")[0].is_ok());
+}
+
+#[test]
+fn forbidden_imports_are_rejected_at_load_with_the_import_named() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    for import in [
+        "wasi:filesystem/types@0.2.0",
+        "wasi:sockets/tcp@0.2.0",
+        "acme:secret/exfiltrate@1.0.0",
+    ] {
+        let wat = format!(r#"(component (import "{import}" (instance)))"#);
+        let bytes = wat::parse_str(&wat).expect("wat");
+        let err = rt.load("evil", &bytes).err().expect("rejected");
+        let msg = err.to_string();
+        assert!(msg.contains(import) && msg.contains("evil"), "{msg}");
+        assert!(rt.check(&bytes).verdict.is_err());
+    }
+    // A kind may not use another kind's imports: a sampler importing `kv`.
+    let wat = r#"(component (import "kimi:host/kv@0.1.0" (instance)))"#;
+    let err = rt
+        .load("sneaky", &wat::parse_str(wat).expect("wat"))
+        .err()
+        .expect("rejected")
+        .to_string();
+    assert!(err.contains("exports none"), "{err}");
+    // Garbage is not a component.
+    assert!(rt.load("junk", b"\0asm junk").is_err());
+}
+
+#[test]
+fn tenants_never_share_sampler_state() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let hostile = sampler(&rt, "test-hostile", TEST_HOSTILE);
+    let standard = sampler(
+        &rt,
+        "sampler-standard",
+        builtin("builtin:sampler-standard").expect("builtin"),
+    );
+    let row = logits(64, 3);
+    // Tenant A (counting sampler) and tenant B (standard sampler) in one process.
+    let mut a = TenantSampler::new(
+        hostile.clone(),
+        env(64),
+        Arc::new(TenantServices::default()),
+        "a",
+    );
+    let mut b = TenantSampler::new(standard, env(64), Arc::new(TenantServices::default()), "b");
+    let ia = a.instance().expect("a");
+    let sa = ia.create_sequence(&req("a"), "count", 1).expect("seq");
+    let got: Vec<u32> = (0..3)
+        .map(|_| {
+            *ia.sample(&[(&sa, &row)], None).expect("call")[0]
+                .as_ref()
+                .expect("id")
+        })
+        .collect();
+    assert_eq!(got, [1, 2, 3]);
+    let ib = b.instance().expect("b");
+    let sb = ib
+        .create_sequence(&req("b"), r#"{"temperature": 0}"#, 1)
+        .expect("seq");
+    ib.sample(&[(&sb, &row)], None).expect("call")[0]
+        .as_ref()
+        .expect("id");
+    // A third tenant on the counting plugin starts from zero: instance-global state is per tenant.
+    let mut c = TenantSampler::new(hostile, env(64), Arc::new(TenantServices::default()), "c");
+    let ic = c.instance().expect("c");
+    let sc = ic.create_sequence(&req("c"), "count", 1).expect("seq");
+    assert_eq!(
+        ic.sample(&[(&sc, &row)], None).expect("call")[0]
+            .as_ref()
+            .expect("id"),
+        &1
+    );
+    let ia = a.instance().expect("a");
+    assert_eq!(
+        ia.sample(&[(&sa, &row)], None).expect("call")[0]
+            .as_ref()
+            .expect("id"),
+        &4
+    );
+}
+
+fn standard(rt: &Arc<PluginRuntime>, vocab: u32) -> TenantSampler {
+    let plugin = sampler(
+        rt,
+        "sampler-standard",
+        builtin("sampler-standard").expect("builtin"),
+    );
+    TenantSampler::new(plugin, env(vocab), Arc::new(TenantServices::default()), "t")
+}
+
+#[test]
+fn sampler_standard_is_deterministic_and_greedy_at_temperature_zero() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let vocab = 1000;
+    let mut ts = standard(&rt, vocab);
+    let rows: Vec<Vec<f32>> = (0..20).map(|i| logits(vocab as usize, 100 + i)).collect();
+    let run = |ts: &mut TenantSampler, params: &str, seed: u64| -> Vec<u32> {
+        let inst = ts.instance().expect("instance");
+        let seq = inst.create_sequence(&req("t"), params, seed).expect("seq");
+        inst.accept(&seq, &[1, 2, 3]).expect("prompt");
+        let mut out = Vec::new();
+        for r in &rows {
+            let id = *inst.sample(&[(&seq, r)], None).expect("call")[0]
+                .as_ref()
+                .expect("id");
+            inst.accept(&seq, &[id]).expect("accept");
+            out.push(id);
+        }
+        inst.drop_sequence(seq).expect("drop");
+        out
+    };
+    let p = r#"{"temperature": 0.9, "top_p": 0.95, "frequency_penalty": 0.5}"#;
+    assert_eq!(
+        run(&mut ts, p, 42),
+        run(&mut ts, p, 42),
+        "same seed, same tokens"
+    );
+    assert_ne!(
+        run(&mut ts, p, 42),
+        run(&mut ts, p, 43),
+        "different seeds differ"
+    );
+    let greedy = run(&mut ts, r#"{"temperature": 0}"#, 7);
+    let argmax: Vec<u32> = rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32)
+                .expect("max")
+        })
+        .collect();
+    assert_eq!(greedy, argmax);
+    // Bad parameters fail at sequence creation, naming the parameter.
+    let inst = ts.instance().expect("instance");
+    let err = inst
+        .create_sequence(&req("t"), r#"{"top_p": 1.5}"#, 1)
+        .err()
+        .expect("rejected")
+        .to_string();
+    assert!(err.contains("top_p"), "{err}");
+}
+
+/// Exact distribution of the standard sampler's definition, by brute force over the row.
+fn exact(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: f64) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let z: f64 = row.iter().map(|&l| (l as f64 / t).exp()).sum();
+    let probs: Vec<f64> = order
+        .iter()
+        .map(|&i| (row[i] as f64 / t).exp() / z)
+        .collect();
+    let mut keep = if top_k > 0 {
+        top_k.min(row.len())
+    } else {
+        row.len()
+    };
+    let s: f64 = probs[..keep].iter().sum();
+    let mut cum = 0.0;
+    for (i, p) in probs[..keep].iter().enumerate() {
+        cum += p / s;
+        if cum >= top_p {
+            keep = i + 1;
+            break;
+        }
+    }
+    let floor = min_p * probs[0];
+    keep = probs[..keep]
+        .iter()
+        .take_while(|&&p| p >= floor)
+        .count()
+        .max(1);
+    let s: f64 = probs[..keep].iter().sum();
+    let mut out = vec![0.0; row.len()];
+    for (j, &i) in order.iter().enumerate().take(keep) {
+        out[i] = probs[j] / s;
+    }
+    out
+}
+
+#[test]
+fn sampler_standard_distributions_match_exact_ones_chi_square() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let vocab = 40u32;
+    let row: Vec<f32> = (0..vocab).map(|i| ((i * 13 % 17) as f32) / 4.0).collect();
+    let mut ts = standard(&rt, vocab);
+    for (params, t, k, p, m) in [
+        (r#"{"temperature": 1.0, "top_k": 8}"#, 1.0, 8, 1.0, 0.0),
+        (r#"{"temperature": 0.7, "top_p": 0.8}"#, 0.7, 0, 0.8, 0.0),
+        (r#"{"temperature": 1.2, "min_p": 0.1}"#, 1.2, 0, 1.0, 0.1),
+        (r#"{"temperature": 1.0}"#, 1.0, 0, 1.0, 0.0),
+    ] {
+        let want = exact(&row, t, k, p, m);
+        let inst = ts.instance().expect("instance");
+        let seq = inst.create_sequence(&req("t"), params, 5).expect("seq");
+        let n = 20_000;
+        let mut counts = vec![0u32; vocab as usize];
+        // Batched: 50 rows per call, all the same sequence state (no accept → no penalties).
+        let rows: Vec<(&_, &[f32])> = (0..50).map(|_| (&seq, row.as_slice())).collect();
+        for _ in 0..n / 50 {
+            for r in inst.sample(&rows, None).expect("call") {
+                counts[r.expect("id") as usize] += 1;
+            }
+        }
+        let (mut chi2, mut dof) = (0.0, 0);
+        for (c, w) in counts.iter().zip(&want) {
+            if *w > 0.0 {
+                let e = w * n as f64;
+                chi2 += (*c as f64 - e).powi(2) / e;
+                dof += 1;
+            } else {
+                assert_eq!(*c, 0, "{params}: sampled a token the filters exclude");
+            }
+        }
+        let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
+        assert!(chi2 < bound, "{params}: chi2 {chi2:.1} over {dof} dof");
+    }
+}
+
+#[test]
+fn compiled_components_are_cached_on_disk() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let bytes = builtin("sampler-standard").expect("builtin");
+    let first = rt.load("s", bytes).expect("load");
+    let files: Vec<_> = std::fs::read_dir(cache.path())
+        .expect("dir")
+        .flatten()
+        .collect();
+    assert_eq!(files.len(), 1);
+    assert!(
+        files[0]
+            .file_name()
+            .to_string_lossy()
+            .starts_with(&first.sha256)
+    );
+    let again = rt.load("s", bytes).expect("load from cache");
+    assert_eq!(again.sha256, first.sha256);
+    let report = rt.check(bytes);
+    assert_eq!(report.kind, Some(PluginKind::Sampler));
+    assert!(report.imports.iter().any(|i| i == "kimi:host/logits@0.1.0"));
+    assert!(report.verdict.is_ok());
+}
