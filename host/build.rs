@@ -5,7 +5,12 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Components produced by the plugins workspace (crate name with `_`).
-const PLUGINS: &[&str] = &["sampler_standard", "test_hostile"];
+const PLUGINS: &[&str] = &[
+    "sampler_standard",
+    "policy_limits",
+    "policy_kimi_vendor",
+    "test_hostile",
+];
 
 fn main() {
     let manifest_dir =
@@ -30,6 +35,7 @@ fn main() {
             );
         }
     }
+    ensure_wasm_target();
     // A target dir of its own: the outer cargo holds the workspace's build lock.
     let target_dir = plugins.join("target");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -68,4 +74,22 @@ fn main() {
         std::fs::copy(&src, out.join(format!("{name}.wasm")))
             .unwrap_or_else(|e| panic!("copy {}: {e}", src.display()));
     }
+}
+
+/// Installs the wasm32-wasip2 target through rustup when this toolchain lacks it (a fresh
+/// machine), so `cargo test` needs no manual step.
+fn ensure_wasm_target() {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let sysroot = Command::new(&rustc).args(["--print", "sysroot"]).output();
+    let Ok(out) = sysroot else { return };
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if sysroot.join("lib/rustlib/wasm32-wasip2").exists() {
+        return;
+    }
+    let mut cmd = Command::new("rustup");
+    cmd.args(["target", "add", "wasm32-wasip2"]);
+    if let Ok(tc) = std::env::var("RUSTUP_TOOLCHAIN") {
+        cmd.args(["--toolchain", &tc]);
+    }
+    let _ = cmd.status();
 }

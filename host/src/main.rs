@@ -99,9 +99,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Plugin tools.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Show a component's world, imports and exports, and whether this host accepts it.
+    Check {
+        /// A component file (.wasm), or builtin:<name>.
+        file: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -282,6 +296,40 @@ fn main() -> Result<()> {
                         .collect::<Vec<_>>()
                         .join(" ")
                 );
+            }
+        }
+        Command::Plugin(PluginCommand::Check { file, json }) => {
+            let bytes = match kimi_host::plugins::builtin::builtin(&file)
+                .filter(|_| file.starts_with("builtin:"))
+            {
+                Some(b) => b.to_vec(),
+                None => std::fs::read(&file).with_context(|| format!("reading {file}"))?,
+            };
+            let rt = kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions {
+                pooling: false,
+                cache_dir: None,
+            })?;
+            let report = rt.check(&bytes);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("sha256:  {}", report.sha256);
+                println!("world:   {}", report.world.as_deref().unwrap_or("(none)"));
+                println!("imports:");
+                for i in &report.imports {
+                    println!("  {i}");
+                }
+                println!("exports:");
+                for e in &report.exports {
+                    println!("  {e}");
+                }
+                match &report.verdict {
+                    Ok(()) => println!("verdict: accepted"),
+                    Err(why) => println!("verdict: rejected — {why}"),
+                }
+            }
+            if report.verdict.is_err() {
+                std::process::exit(2);
             }
         }
         Command::Bench(BenchCommand::Tokenizer {

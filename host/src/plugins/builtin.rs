@@ -1,10 +1,20 @@
 //! Standard plugins compiled into the binary (built from `plugins/` by `build.rs`).
 
 /// `builtin:<name>` → component bytes.
-pub const BUILTINS: &[(&str, &[u8])] = &[(
-    "sampler-standard",
-    include_bytes!(concat!(env!("OUT_DIR"), "/sampler_standard.wasm")),
-)];
+pub const BUILTINS: &[(&str, &[u8])] = &[
+    (
+        "sampler-standard",
+        include_bytes!(concat!(env!("OUT_DIR"), "/sampler_standard.wasm")),
+    ),
+    (
+        "policy-limits",
+        include_bytes!(concat!(env!("OUT_DIR"), "/policy_limits.wasm")),
+    ),
+    (
+        "policy-kimi-vendor",
+        include_bytes!(concat!(env!("OUT_DIR"), "/policy_kimi_vendor.wasm")),
+    ),
+];
 
 /// Test-only component that misbehaves on request (loops, hoards memory, panics, bad ids).
 pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_hostile.wasm"));

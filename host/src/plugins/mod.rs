@@ -8,11 +8,13 @@ pub mod error;
 pub mod grammar_check;
 pub mod health;
 pub mod host;
+pub mod policy;
 pub mod runtime;
 pub mod sampler;
 
 pub use error::PluginError;
 pub use health::PluginHealth;
 pub use host::{PluginEnv, TenantServices};
+pub use policy::{Admission, PolicyPlugin, Rejection, RequestMeta};
 pub use runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, RuntimeOptions};
 pub use sampler::{SamplerInstance, SamplerPlugin, SeqHandle, TenantSampler};
