@@ -5,34 +5,19 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Components produced by the plugins workspace (crate name with `_`).
-const PLUGINS: &[&str] = &[
-    "sampler_standard",
-    "policy_limits",
-    "policy_kimi_vendor",
-    "test_hostile",
-];
+const PLUGINS: &[&str] = &["sampler_standard", "policy_limits", "policy_kimi_vendor", "test_hostile"];
 
 fn main() {
-    let manifest_dir =
-        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let plugins = manifest_dir.join("../plugins");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     println!("cargo:rerun-if-changed=../wit");
     println!("cargo:rerun-if-changed=../plugins/Cargo.toml");
     println!("cargo:rerun-if-changed=../plugins/Cargo.lock");
-    for entry in std::fs::read_dir(&plugins)
-        .expect("read plugins/")
-        .flatten()
-    {
+    for entry in std::fs::read_dir(&plugins).expect("read plugins/").flatten() {
         if entry.path().is_dir() && entry.file_name() != "target" {
-            println!(
-                "cargo:rerun-if-changed={}",
-                entry.path().join("src").display()
-            );
-            println!(
-                "cargo:rerun-if-changed={}",
-                entry.path().join("Cargo.toml").display()
-            );
+            println!("cargo:rerun-if-changed={}", entry.path().join("src").display());
+            println!("cargo:rerun-if-changed={}", entry.path().join("Cargo.toml").display());
         }
     }
     ensure_wasm_target();
@@ -41,23 +26,13 @@ fn main() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&plugins)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "--target",
-            "wasm32-wasip2",
-        ])
+        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2"])
         .arg("--target-dir")
         .arg(&target_dir);
     // The outer build's flags and wrappers are for the host target, not for wasm.
-    for var in [
-        "CARGO_ENCODED_RUSTFLAGS",
-        "RUSTFLAGS",
-        "CARGO_BUILD_TARGET",
-        "CARGO_TARGET_DIR",
-        "RUSTC_WORKSPACE_WRAPPER",
-    ] {
+    for var in
+        ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER"]
+    {
         cmd.env_remove(var);
     }
     let status = cmd.status().expect("run cargo for the plugins workspace");
@@ -68,11 +43,8 @@ fn main() {
         );
     }
     for name in PLUGINS {
-        let src = target_dir
-            .join("wasm32-wasip2/release")
-            .join(format!("{name}.wasm"));
-        std::fs::copy(&src, out.join(format!("{name}.wasm")))
-            .unwrap_or_else(|e| panic!("copy {}: {e}", src.display()));
+        let src = target_dir.join("wasm32-wasip2/release").join(format!("{name}.wasm"));
+        std::fs::copy(&src, out.join(format!("{name}.wasm"))).unwrap_or_else(|e| panic!("copy {}: {e}", src.display()));
     }
 }
 

@@ -35,10 +35,7 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
     let mut best = 0f64;
     for _ in 0..3 {
         let t = Instant::now();
-        let s: u64 = words
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-            .sum();
+        let s: u64 = words.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
         let secs = t.elapsed().as_secs_f64();
         std::hint::black_box(s);
         best = best.max(bytes as f64 / secs / 1e9);
@@ -61,19 +58,11 @@ fn decode_bytes_per_token(dir: &Path, model: &Model) -> Result<u64, ModelError> 
             total += info.nbytes() as u64;
         }
     }
-    let share = if c.num_experts > 0 {
-        routed * c.experts_per_token as u64 / c.num_experts as u64
-    } else {
-        0
-    };
+    let share = if c.num_experts > 0 { routed * c.experts_per_token as u64 / c.num_experts as u64 } else { 0 };
     Ok(total + share)
 }
 
-pub fn bench_forward(
-    dir: &Path,
-    prompt_len: usize,
-    decode: usize,
-) -> Result<ForwardBench, ModelError> {
+pub fn bench_forward(dir: &Path, prompt_len: usize, decode: usize) -> Result<ForwardBench, ModelError> {
     let model = Model::load(dir)?;
     let c = model.text_config();
     // Deterministic pseudo-random prompt over the ordinary (non-special) ids.
@@ -98,11 +87,7 @@ pub fn bench_forward(
     }
     let decode_s = t.elapsed().as_secs_f64();
     let bytes = decode_bytes_per_token(dir, &model)?;
-    let decode_tps = if decode > 0 {
-        decode as f64 / decode_s
-    } else {
-        0.0
-    };
+    let decode_tps = if decode > 0 { decode as f64 / decode_s } else { 0.0 };
     let eff = bytes as f64 * decode_tps / 1e9;
     let bw = measure_read_bandwidth(1 << 29);
     Ok(ForwardBench {

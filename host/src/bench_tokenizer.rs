@@ -117,9 +117,7 @@ pub fn bench_tokenizer(dir: &Path, mb: f64) -> Result<TokenizerBench, TokenizerE
         seconds,
         mb_per_s,
         ratio_vs_tiktoken: tiktoken.as_ref().map(|t| mb_per_s / t.mb_per_s),
-        ids_match_tiktoken: tiktoken
-            .as_ref()
-            .map(|t| t.ids == ids && t.checksum == checksum),
+        ids_match_tiktoken: tiktoken.as_ref().map(|t| t.ids == ids && t.checksum == checksum),
         tiktoken,
     })
 }
@@ -127,13 +125,8 @@ pub fn bench_tokenizer(dir: &Path, mb: f64) -> Result<TokenizerBench, TokenizerE
 fn run_tiktoken(dir: &Path, docs: &[String]) -> Option<TiktokenRun> {
     let tmp = std::env::temp_dir().join(format!("kimi-bench-docs-{}.json", std::process::id()));
     std::fs::write(&tmp, serde_json::to_string(docs).ok()?).ok()?;
-    let out = Command::new("python3")
-        .arg("-c")
-        .arg(PY)
-        .arg(dir.join("tiktoken.model"))
-        .arg(&tmp)
-        .arg(RELEASE_PAT)
-        .output();
+    let out =
+        Command::new("python3").arg("-c").arg(PY).arg(dir.join("tiktoken.model")).arg(&tmp).arg(RELEASE_PAT).output();
     let _ = std::fs::remove_file(&tmp);
     let out = out.ok().filter(|o| o.status.success())?;
     serde_json::from_slice(&out.stdout).ok()
@@ -152,11 +145,7 @@ impl std::fmt::Display for TokenizerBench {
         )?;
         match (&self.tiktoken, self.ratio_vs_tiktoken) {
             (Some(t), Some(r)) => {
-                writeln!(
-                    f,
-                    "tiktoken {} (Python): {:.3} s = {:.2} MB/s",
-                    t.version, t.seconds, t.mb_per_s
-                )?;
+                writeln!(f, "tiktoken {} (Python): {:.3} s = {:.2} MB/s", t.version, t.seconds, t.mb_per_s)?;
                 writeln!(
                     f,
                     "ratio kimi-host / tiktoken: {r:.2}×; ids identical: {}",

@@ -68,14 +68,8 @@ impl NameCheck {
 /// Tensor names of the checkpoint in `dir`, from its index (`.json` or `.json.gz`) or its single
 /// safetensors file; None when there is neither.
 fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelError> {
-    let io = |p: &Path, e: std::io::Error| ModelError::Io {
-        path: p.display().to_string(),
-        source: e,
-    };
-    for file in [
-        "model.safetensors.index.json",
-        "model.safetensors.index.json.gz",
-    ] {
+    let io = |p: &Path, e: std::io::Error| ModelError::Io { path: p.display().to_string(), source: e };
+    for file in ["model.safetensors.index.json", "model.safetensors.index.json.gz"] {
         let p = dir.join(file);
         if !p.exists() {
             continue;
@@ -83,26 +77,16 @@ fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelE
         let mut text = String::new();
         let f = std::fs::File::open(&p).map_err(|e| io(&p, e))?;
         if file.ends_with(".gz") {
-            flate2::read::GzDecoder::new(f)
-                .read_to_string(&mut text)
-                .map_err(|e| io(&p, e))?;
+            flate2::read::GzDecoder::new(f).read_to_string(&mut text).map_err(|e| io(&p, e))?;
         } else {
-            std::io::BufReader::new(f)
-                .read_to_string(&mut text)
-                .map_err(|e| io(&p, e))?;
+            std::io::BufReader::new(f).read_to_string(&mut text).map_err(|e| io(&p, e))?;
         }
-        let map = parse_weight_map(&text).map_err(|msg| ModelError::Header {
-            path: p.display().to_string(),
-            msg,
-        })?;
+        let map = parse_weight_map(&text).map_err(|msg| ModelError::Header { path: p.display().to_string(), msg })?;
         return Ok(Some((file.to_string(), map.into_keys().collect())));
     }
     if dir.join("model.safetensors").exists() {
         let ck = Checkpoint::open(dir)?;
-        return Ok(Some((
-            "model.safetensors".to_string(),
-            ck.names().cloned().collect(),
-        )));
+        return Ok(Some(("model.safetensors".to_string(), ck.names().cloned().collect())));
     }
     Ok(None)
 }
@@ -149,27 +133,18 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
 
     let mut params_by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for t in &rec.tensors {
-        *params_by_kind
-            .entry(kind_of(t, &c).to_string())
-            .or_default() += t.params;
+        *params_by_kind.entry(kind_of(t, &c).to_string()).or_default() += t.params;
     }
     let total: u64 = params_by_kind.values().sum();
     let routed = params_by_kind.get("routed_experts").copied().unwrap_or(0);
     let embedding = params_by_kind.get("embedding").copied().unwrap_or(0);
-    let routed_active = if c.num_experts > 0 {
-        routed * c.experts_per_token as u64 / c.num_experts as u64
-    } else {
-        0
-    };
+    let routed_active = if c.num_experts > 0 { routed * c.experts_per_token as u64 / c.num_experts as u64 } else { 0 };
     let activated = total - routed - embedding + routed_active;
 
     // Bytes: the real headers when the weights are here, else the release dtypes.
     let (bytes_by_dtype, bytes_source) = match Checkpoint::open(dir) {
         Ok(ck) => (
-            ck.bytes_by_dtype()
-                .into_iter()
-                .map(|(d, b)| (d.name().to_string(), b))
-                .collect::<BTreeMap<_, _>>(),
+            ck.bytes_by_dtype().into_iter().map(|(d, b)| (d.name().to_string(), b)).collect::<BTreeMap<_, _>>(),
             "checkpoint headers".to_string(),
         ),
         Err(_) => {
@@ -177,10 +152,7 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
             for t in &rec.tensors {
                 *m.entry(t.dtype.name().to_string()).or_default() += t.bytes;
             }
-            (
-                m,
-                "estimated from the release storage dtypes (no weights here)".to_string(),
-            )
+            (m, "estimated from the release storage dtypes (no weights here)".to_string())
         }
     };
     let weight_bytes = bytes_by_dtype.values().sum();
@@ -190,19 +162,12 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         * 4;
     let kda_total = kda_state * c.num_kda_layers() as u64;
     let latent_per_token = (c.latent_width() * c.num_mla_layers() * 4) as u64;
-    let index_per_token = c
-        .indexer
-        .as_ref()
-        .map_or(0, |ix| (ix.head_dim * c.num_mla_layers() * 4) as u64);
+    let index_per_token = c.indexer.as_ref().map_or(0, |ix| (ix.head_dim * c.num_mla_layers() * 4) as u64);
     let context_tokens = context.unwrap_or(c.max_position_embeddings.min(1 << 20));
 
     let name_check = listed.as_ref().map(|(source, names)| {
         let needed: BTreeSet<&str> = rec.tensors.iter().map(|t| t.name.as_str()).collect();
-        let missing = needed
-            .iter()
-            .filter(|n| !names.contains(**n))
-            .map(|n| n.to_string())
-            .collect();
+        let missing = needed.iter().filter(|n| !names.contains(**n)).map(|n| n.to_string()).collect();
         let mut unused = Vec::new();
         let mut other = Vec::new();
         let mut vision = 0;
@@ -217,36 +182,17 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
                 other.push(n.clone());
             }
         }
-        NameCheck {
-            source: source.clone(),
-            listed: names.len(),
-            needed: needed.len(),
-            missing,
-            unused,
-            vision,
-            other,
-        }
+        NameCheck { source: source.clone(), listed: names.len(), needed: needed.len(), missing, unused, vision, other }
     });
 
     Ok(InspectReport {
         num_layers: c.num_layers,
         kda_layers: c.num_kda_layers(),
         mla_layers: c.num_mla_layers(),
-        mixer_plan: c
-            .layer_kinds
-            .iter()
-            .map(|k| if *k == MixerKind::Kda { 'K' } else { 'M' })
-            .collect(),
-        ffn_plan: (0..c.num_layers)
-            .map(|i| if c.is_moe_layer(i) { 'E' } else { 'D' })
-            .collect(),
-        snapshot_layers: (0..c.num_layers)
-            .filter(|i| i % c.attn_res_block_size == 0)
-            .collect(),
-        indexer: c
-            .indexer
-            .as_ref()
-            .map(|ix| format!("{} heads × {}, top-{}", ix.n_heads, ix.head_dim, ix.topk)),
+        mixer_plan: c.layer_kinds.iter().map(|k| if *k == MixerKind::Kda { 'K' } else { 'M' }).collect(),
+        ffn_plan: (0..c.num_layers).map(|i| if c.is_moe_layer(i) { 'E' } else { 'D' }).collect(),
+        snapshot_layers: (0..c.num_layers).filter(|i| i % c.attn_res_block_size == 0).collect(),
+        indexer: c.indexer.as_ref().map(|ix| format!("{} heads × {}, top-{}", ix.n_heads, ix.head_dim, ix.topk)),
         params_by_kind,
         total_params: total,
         activated_params_per_token: activated,
@@ -258,8 +204,7 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         latent_cache_bytes_per_token: latent_per_token,
         indexer_key_bytes_per_token: index_per_token,
         context_tokens,
-        sequence_bytes_for_context: kda_total
-            + (latent_per_token + index_per_token) * context_tokens as u64,
+        sequence_bytes_for_context: kda_total + (latent_per_token + index_per_token) * context_tokens as u64,
         name_check,
     })
 }
@@ -293,11 +238,7 @@ fn bytes(n: u64) -> String {
 
 /// Compact run-length form of a plan string: "KKKM×23 M".
 fn runs(plan: &str, period: usize) -> String {
-    let chunks: Vec<&str> = plan
-        .as_bytes()
-        .chunks(period)
-        .map(|c| std::str::from_utf8(c).unwrap_or(""))
-        .collect();
+    let chunks: Vec<&str> = plan.as_bytes().chunks(period).map(|c| std::str::from_utf8(c).unwrap_or("")).collect();
     let mut out = Vec::new();
     let mut i = 0;
     while i < chunks.len() {
@@ -305,11 +246,7 @@ fn runs(plan: &str, period: usize) -> String {
         while j < chunks.len() && chunks[j] == chunks[i] {
             j += 1;
         }
-        out.push(if j - i > 1 {
-            format!("{}×{}", chunks[i], j - i)
-        } else {
-            chunks[i].to_string()
-        });
+        out.push(if j - i > 1 { format!("{}×{}", chunks[i], j - i) } else { chunks[i].to_string() });
         i = j;
     }
     out.join(" ")
@@ -317,26 +254,10 @@ fn runs(plan: &str, period: usize) -> String {
 
 impl std::fmt::Display for InspectReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "layers: {} ({} KDA, {} MLA)",
-            self.num_layers, self.kda_layers, self.mla_layers
-        )?;
-        let period = self
-            .mixer_plan
-            .find('M')
-            .map_or(self.num_layers, |p| p + 1)
-            .max(1);
-        writeln!(
-            f,
-            "mixers: {}   (K = KDA, M = MLA, layer 0 first)",
-            runs(&self.mixer_plan, period)
-        )?;
-        writeln!(
-            f,
-            "ffn:    {}   (D = dense SiTU MLP, E = latent MoE)",
-            runs(&self.ffn_plan, 1)
-        )?;
+        writeln!(f, "layers: {} ({} KDA, {} MLA)", self.num_layers, self.kda_layers, self.mla_layers)?;
+        let period = self.mixer_plan.find('M').map_or(self.num_layers, |p| p + 1).max(1);
+        writeln!(f, "mixers: {}   (K = KDA, M = MLA, layer 0 first)", runs(&self.mixer_plan, period))?;
+        writeln!(f, "ffn:    {}   (D = dense SiTU MLP, E = latent MoE)", runs(&self.ffn_plan, 1))?;
         writeln!(f, "AttnRes snapshots at layers {:?}", self.snapshot_layers)?;
         if let Some(ix) = &self.indexer {
             writeln!(f, "K3.1 indexer in every MLA layer: {ix}")?;
@@ -345,13 +266,7 @@ impl std::fmt::Display for InspectReport {
         for (k, v) in &self.params_by_kind {
             writeln!(f, "  {k:<24} {:>12}  ({v})", human(*v))?;
         }
-        writeln!(
-            f,
-            "  {:<24} {:>12}  ({})",
-            "total",
-            human(self.total_params),
-            self.total_params
-        )?;
+        writeln!(f, "  {:<24} {:>12}  ({})", "total", human(self.total_params), self.total_params)?;
         writeln!(
             f,
             "  {:<24} {:>12}  ({})",
@@ -364,11 +279,7 @@ impl std::fmt::Display for InspectReport {
             writeln!(f, "  {k:<6} {}", bytes(*v))?;
         }
         writeln!(f, "  total  {}", bytes(self.weight_bytes))?;
-        writeln!(
-            f,
-            "KDA state per sequence (f32): {}",
-            bytes(self.kda_state_bytes_per_sequence)
-        )?;
+        writeln!(f, "KDA state per sequence (f32): {}", bytes(self.kda_state_bytes_per_sequence))?;
         writeln!(
             f,
             "latent cache: {} values per token per MLA layer; {} per token over all MLA layers (f32)",
@@ -376,23 +287,10 @@ impl std::fmt::Display for InspectReport {
             bytes(self.latent_cache_bytes_per_token)
         )?;
         if self.indexer_key_bytes_per_token > 0 {
-            writeln!(
-                f,
-                "indexer keys per token (f32): {}",
-                bytes(self.indexer_key_bytes_per_token)
-            )?;
+            writeln!(f, "indexer keys per token (f32): {}", bytes(self.indexer_key_bytes_per_token))?;
         }
-        writeln!(
-            f,
-            "one sequence of {} tokens: {}",
-            self.context_tokens,
-            bytes(self.sequence_bytes_for_context)
-        )?;
-        writeln!(
-            f,
-            "weights + that sequence: {}",
-            bytes(self.weight_bytes + self.sequence_bytes_for_context)
-        )?;
+        writeln!(f, "one sequence of {} tokens: {}", self.context_tokens, bytes(self.sequence_bytes_for_context))?;
+        writeln!(f, "weights + that sequence: {}", bytes(self.weight_bytes + self.sequence_bytes_for_context))?;
         if let Some(nc) = &self.name_check {
             writeln!(
                 f,

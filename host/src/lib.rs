@@ -6,6 +6,7 @@
 //! follow (see the repository README).
 
 pub mod bench;
+pub mod bench_plugins;
 pub mod bench_tokenizer;
 pub mod inspect;
 pub mod model;

@@ -14,11 +14,7 @@ use kimi_host::model::{LogitsFor, Model};
 use kimi_host::tokenizer::Tokenizer;
 
 #[derive(Parser)]
-#[command(
-    name = "kimi-host",
-    version,
-    about = "Inference host for the Kimi-K3 model family"
-)]
+#[command(name = "kimi-host", version, about = "Inference host for the Kimi-K3 model family")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -120,6 +116,16 @@ enum PluginCommand {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Builtin plugins' per-call costs beside their native equivalents.
+    Plugins {
+        #[arg(long, default_value_t = 200)]
+        steps: usize,
+        /// Sequences per sampler step.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Encode MB/s on a mixed-language corpus, beside Python tiktoken when it is importable.
     Tokenizer {
         #[arg(long)]
@@ -148,18 +154,12 @@ enum BenchCommand {
 
 fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     let text = match arg.strip_prefix('@') {
-        Some(path) => {
-            std::fs::read_to_string(path).with_context(|| format!("reading {what} from {path}"))?
-        }
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {what} from {path}"))?,
         None => arg.to_string(),
     };
-    let raw: Vec<i64> = serde_json::from_str(&text)
-        .with_context(|| format!("{what} must be a JSON array of token ids"))?;
-    raw.iter()
-        .map(|&x| {
-            u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))
-        })
-        .collect()
+    let raw: Vec<i64> =
+        serde_json::from_str(&text).with_context(|| format!("{what} must be a JSON array of token ids"))?;
+    raw.iter().map(|&x| u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))).collect()
 }
 
 fn load(dir: &Path) -> Result<Model> {
@@ -169,66 +169,39 @@ fn load(dir: &Path) -> Result<Model> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Inspect {
-            model_dir,
-            context,
-            json,
-        } => {
-            let report = inspect(&model_dir, context)
-                .with_context(|| format!("inspecting {}", model_dir.display()))?;
+        Command::Inspect { model_dir, context, json } => {
+            let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{report}");
             }
         }
-        Command::Logits {
-            model,
-            prompt_ids,
-            decode_ids,
-            out,
-        } => {
+        Command::Logits { model, prompt_ids, decode_ids, out } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let decode = decode_ids
-                .as_deref()
-                .map(|d| parse_ids(d, "--decode-ids"))
-                .transpose()?;
+            let decode = decode_ids.as_deref().map(|d| parse_ids(d, "--decode-ids")).transpose()?;
             let m = load(&model)?;
             let v = m.text_config().vocab_size;
             let mut state = m.new_state();
             let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;
-            let mut tensors = vec![(
-                "prefill_logits".to_string(),
-                vec![prompt.len(), v],
-                f32_bytes(&prefill),
-            )];
+            let mut tensors = vec![("prefill_logits".to_string(), vec![prompt.len(), v], f32_bytes(&prefill))];
             if let Some(ids) = decode {
                 let mut rows = Vec::with_capacity(ids.len() * v);
                 for id in &ids {
                     rows.extend(m.forward(&[*id], &mut state, LogitsFor::AllTokens, None)?);
                 }
-                tensors.push((
-                    "decode_logits".to_string(),
-                    vec![ids.len(), v],
-                    f32_bytes(&rows),
-                ));
+                tensors.push(("decode_logits".to_string(), vec![ids.len(), v], f32_bytes(&rows)));
             }
             let views = tensors
                 .iter()
                 .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
                 .collect::<Result<Vec<_>>>()?;
-            safetensors::serialize_to_file(views, None, &out)
-                .with_context(|| format!("writing {}", out.display()))?;
+            safetensors::serialize_to_file(views, None, &out).with_context(|| format!("writing {}", out.display()))?;
         }
-        Command::Generate {
-            model,
-            prompt_ids,
-            max_tokens,
-            ignore_eos,
-        } => {
+        Command::Generate { model, prompt_ids, max_tokens, ignore_eos } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
@@ -246,28 +219,11 @@ fn main() -> Result<()> {
                 logits = m.forward(&[next], &mut state, LogitsFor::LastToken, None)?;
             }
         }
-        Command::MakeTiny {
-            out,
-            seed,
-            k31,
-            mxfp4,
-        } => {
-            make_tiny(&out, &TinyOptions { seed, k31, mxfp4 })
-                .with_context(|| format!("writing {}", out.display()))?;
-            eprintln!(
-                "wrote a tiny Kimi-K3{} checkpoint to {}",
-                if k31 { ".1" } else { "" },
-                out.display()
-            );
+        Command::MakeTiny { out, seed, k31, mxfp4 } => {
+            make_tiny(&out, &TinyOptions { seed, k31, mxfp4 }).with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("wrote a tiny Kimi-K3{} checkpoint to {}", if k31 { ".1" } else { "" }, out.display());
         }
-        Command::Tokenize {
-            tokenizer,
-            text,
-            file,
-            decode,
-            allow_special,
-            json,
-        } => {
+        Command::Tokenize { tokenizer, text, file, decode, allow_special, json } => {
             let tok = Tokenizer::load(&tokenizer)
                 .with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?;
             if let Some(ids) = decode {
@@ -277,31 +233,18 @@ fn main() -> Result<()> {
             }
             let text = match (text, file) {
                 (Some(t), _) => t,
-                (None, Some(f)) => std::fs::read_to_string(&f)
-                    .with_context(|| format!("reading {}", f.display()))?,
+                (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
                 (None, None) => bail!("give --text, --file or --decode"),
             };
-            let ids = if allow_special {
-                tok.encode_with_specials(&text)
-            } else {
-                tok.encode_text(&text)
-            };
+            let ids = if allow_special { tok.encode_with_specials(&text) } else { tok.encode_text(&text) };
             if json {
                 println!("{}", serde_json::to_string(&ids)?);
             } else {
-                println!(
-                    "{}",
-                    ids.iter()
-                        .map(|i| i.to_string())
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                );
+                println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
             }
         }
         Command::Plugin(PluginCommand::Check { file, json }) => {
-            let bytes = match kimi_host::plugins::builtin::builtin(&file)
-                .filter(|_| file.starts_with("builtin:"))
-            {
+            let bytes = match kimi_host::plugins::builtin::builtin(&file).filter(|_| file.starts_with("builtin:")) {
                 Some(b) => b.to_vec(),
                 None => std::fs::read(&file).with_context(|| format!("reading {file}"))?,
             };
@@ -332,11 +275,15 @@ fn main() -> Result<()> {
                 std::process::exit(2);
             }
         }
-        Command::Bench(BenchCommand::Tokenizer {
-            tokenizer,
-            mb,
-            json,
-        }) => {
+        Command::Bench(BenchCommand::Plugins { steps, batch, json }) => {
+            let t = kimi_host::bench_plugins::bench_plugins(steps, batch)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&t)?);
+            } else {
+                kimi_host::bench_plugins::print(&t);
+            }
+        }
+        Command::Bench(BenchCommand::Tokenizer { tokenizer, mb, json }) => {
             let r = bench_tokenizer(&tokenizer, mb)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
@@ -344,18 +291,9 @@ fn main() -> Result<()> {
                 print!("{r}");
             }
         }
-        Command::Bench(BenchCommand::Forward {
-            model,
-            prompt_len,
-            decode,
-            threads,
-            json,
-        }) => {
+        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, threads, json }) => {
             if let Some(n) = threads {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n)
-                    .build_global()
-                    .context("setting up the thread pool")?;
+                rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
             let r = bench_forward(&model, prompt_len, decode)?;
             if json {

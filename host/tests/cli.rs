@@ -16,21 +16,13 @@ fn bin() -> Command {
 
 fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run kimi-host");
-    assert!(
-        out.status.success(),
-        "kimi-host failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "kimi-host failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).expect("utf8")
 }
 
 #[test]
 fn inspect_release_config_and_index() {
-    let r = inspect(
-        &common::golden_dir().join("k3-release-config"),
-        Some(1 << 20),
-    )
-    .expect("inspect");
+    let r = inspect(&common::golden_dir().join("k3-release-config"), Some(1 << 20)).expect("inspect");
     assert_eq!((r.num_layers, r.kda_layers, r.mla_layers), (93, 69, 24));
     let total = r.total_params as f64;
     assert!((total / 2.78e12 - 1.0).abs() < 0.005, "total {total}");
@@ -42,57 +34,27 @@ fn inspect_release_config_and_index() {
     assert_eq!(r.kda_state_bytes_per_sequence, 464_633_856);
     let nc = r.name_check.as_ref().expect("the shard index is checked");
     assert_eq!(nc.listed, 497_220);
-    assert!(
-        nc.missing.is_empty(),
-        "missing: {:?}",
-        &nc.missing[..nc.missing.len().min(5)]
-    );
-    assert!(
-        nc.unused.is_empty(),
-        "unused: {:?}",
-        &nc.unused[..nc.unused.len().min(5)]
-    );
+    assert!(nc.missing.is_empty(), "missing: {:?}", &nc.missing[..nc.missing.len().min(5)]);
+    assert!(nc.unused.is_empty(), "unused: {:?}", &nc.unused[..nc.unused.len().min(5)]);
     assert_eq!(nc.vision, 168);
     assert!(nc.other.is_empty());
     // Estimated bytes agree with the index's total (which also holds the vision tower) within 0.1%.
-    assert!(
-        (r.weight_bytes as f64 / 1_560_860_324_864.0 - 1.0).abs() < 1e-3,
-        "{}",
-        r.weight_bytes
-    );
+    assert!((r.weight_bytes as f64 / 1_560_860_324_864.0 - 1.0).abs() < 1e-3, "{}", r.weight_bytes);
 
-    let text = run_ok(
-        bin()
-            .args(["inspect"])
-            .arg(common::golden_dir().join("k3-release-config")),
-    );
-    assert!(
-        text.contains("93 (69 KDA, 24 MLA)") && text.contains("name map: OK"),
-        "{text}"
-    );
+    let text = run_ok(bin().args(["inspect"]).arg(common::golden_dir().join("k3-release-config")));
+    assert!(text.contains("93 (69 KDA, 24 MLA)") && text.contains("name map: OK"), "{text}");
 }
 
 #[test]
 fn inspect_works_on_config_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::copy(
-        common::golden_dir().join("k3-release-config/config.json"),
-        dir.path().join("config.json"),
-    )
-    .expect("copy");
+    std::fs::copy(common::golden_dir().join("k3-release-config/config.json"), dir.path().join("config.json"))
+        .expect("copy");
     let r = inspect(dir.path(), None).expect("inspect");
     assert!(r.name_check.is_none());
     assert_eq!(r.mla_layers, 24);
-    assert!(
-        r.bytes_by_dtype.contains_key("U8"),
-        "MXFP4 experts from the quantization_config"
-    );
-    let out = bin()
-        .arg("inspect")
-        .arg(dir.path())
-        .arg("--json")
-        .output()
-        .expect("run");
+    assert!(r.bytes_by_dtype.contains_key("U8"), "MXFP4 experts from the quantization_config");
+    let out = bin().arg("inspect").arg(dir.path()).arg("--json").output().expect("run");
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["num_layers"], 93);
@@ -110,33 +72,19 @@ fn logits_command_reproduces_golden_logits() {
             bin()
                 .args(["logits", "--model"])
                 .arg(&g.dir)
-                .args([
-                    "--prompt-ids",
-                    &serde_json::to_string(&prompt).expect("json"),
-                ])
-                .args([
-                    "--decode-ids",
-                    &serde_json::to_string(&decode).expect("json"),
-                ])
+                .args(["--prompt-ids", &serde_json::to_string(&prompt).expect("json")])
+                .args(["--decode-ids", &serde_json::to_string(&decode).expect("json")])
                 .arg("--out")
                 .arg(&file),
         );
         let ck = Checkpoint::open_file(&file).expect("output");
         let dec = ck.read_f32(ck.info("decode_logits").expect("decode_logits"));
-        assert_eq!(
-            ck.info("decode_logits").expect("info").shape,
-            vec![decode.len(), 256]
-        );
+        assert_eq!(ck.info("decode_logits").expect("info").shape, vec![decode.len(), 256]);
         assert_close(case, &dec, &g.f32("decode.logits"), g.tol_logits());
         // prefill_logits of the decode prompt: compare with the golden prefill of the same prompt.
         let len = prompt.len();
         let pre = ck.read_f32(ck.info("prefill_logits").expect("prefill_logits"));
-        assert_close(
-            case,
-            &pre,
-            &g.f32(&format!("prefill.len{len}.logits")),
-            g.tol_logits(),
-        );
+        assert_close(case, &pre, &g.f32(&format!("prefill.len{len}.logits")), g.tol_logits());
     }
 }
 
@@ -144,18 +92,10 @@ fn logits_command_reproduces_golden_logits() {
 fn bad_cli_input_is_a_clear_error() {
     let g = common::golden_dir().join("k3-tiny");
     for ids in ["[1, 99999]", "[1, -2]", "not json", "[]"] {
-        let out = bin()
-            .args(["generate", "--model"])
-            .arg(&g)
-            .args(["--prompt-ids", ids])
-            .output()
-            .expect("run");
+        let out = bin().args(["generate", "--model"]).arg(&g).args(["--prompt-ids", ids]).output().expect("run");
         assert!(!out.status.success(), "{ids} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            err.starts_with("Error:") && !err.contains("panicked"),
-            "{ids}: {err}"
-        );
+        assert!(err.starts_with("Error:") && !err.contains("panicked"), "{ids}: {err}");
     }
 }
 
@@ -165,49 +105,30 @@ fn bad_cli_input_is_a_clear_error() {
 #[test]
 fn make_tiny_k31_mxfp4_runs_end_to_end() {
     let dir = tempfile::tempdir().expect("tempdir");
-    make_tiny(
-        dir.path(),
-        &TinyOptions {
-            seed: 7,
-            k31: true,
-            mxfp4: true,
-        },
-    )
-    .expect("make-tiny");
+    make_tiny(dir.path(), &TinyOptions { seed: 7, k31: true, mxfp4: true }).expect("make-tiny");
     let m = Model::load(dir.path()).expect("load tiny");
     let c = m.text_config().clone();
     assert_eq!(c.indexer.as_ref().map(|i| i.topk), Some(64));
     let ids: Vec<u32> = (0..100u32).map(|i| (i * 37 + 11) % 256).collect();
-    let full = m
-        .forward(&ids, &mut m.new_state(), LogitsFor::AllTokens, None)
-        .expect("prefill all");
+    let full = m.forward(&ids, &mut m.new_state(), LogitsFor::AllTokens, None).expect("prefill all");
     let mut st = m.new_state();
     let split = 70;
     let mut tr = Trace::default();
-    m.forward(&ids[..split], &mut st, LogitsFor::AllTokens, Some(&mut tr))
-        .expect("prefill");
+    m.forward(&ids[..split], &mut st, LogitsFor::AllTokens, Some(&mut tr)).expect("prefill");
     // The indexer prunes: row 69 keeps 64 of 70 candidates.
     let sel = tr.get_i64("index.layer3.selected").expect("selection");
     assert_eq!(sel.len(), split * 64);
-    assert!(
-        sel[69 * 64..].iter().all(|&s| s >= 0)
-            && sel[..64].iter().filter(|&&s| s >= 0).count() == 1
-    );
+    assert!(sel[69 * 64..].iter().all(|&s| s >= 0) && sel[..64].iter().filter(|&&s| s >= 0).count() == 1);
     for (j, &id) in ids[split..].iter().enumerate() {
-        let row = m
-            .forward(&[id], &mut st, LogitsFor::AllTokens, None)
-            .expect("decode");
+        let row = m.forward(&[id], &mut st, LogitsFor::AllTokens, None).expect("decode");
         let want = &full[(split + j) * c.vocab_size..(split + j + 1) * c.vocab_size];
         assert_close("tiny decode vs prefill", &row, want, 2e-3);
     }
 
     // Chunked prefill continuing a non-empty state: 40 + 60 tokens equal one 100-token prefill.
     let mut st = m.new_state();
-    m.forward(&ids[..40], &mut st, LogitsFor::AllTokens, None)
-        .expect("chunk 1");
-    let rest = m
-        .forward(&ids[40..], &mut st, LogitsFor::AllTokens, None)
-        .expect("chunk 2");
+    m.forward(&ids[..40], &mut st, LogitsFor::AllTokens, None).expect("chunk 1");
+    let rest = m.forward(&ids[40..], &mut st, LogitsFor::AllTokens, None).expect("chunk 2");
     assert_close("chunked prefill", &rest, &full[40 * c.vocab_size..], 2e-3);
 
     let generate = |d: &std::path::Path| {
@@ -221,16 +142,9 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
     };
     let a = generate(dir.path());
     assert_eq!(a.lines().count(), 5);
-    assert!(a.lines().all(|l| {
-        l.parse::<u32>()
-            .is_ok_and(|id| (id as usize) < c.vocab_size)
-    }));
+    assert!(a.lines().all(|l| { l.parse::<u32>().is_ok_and(|id| (id as usize) < c.vocab_size) }));
     let again = tempfile::tempdir().expect("tempdir");
-    run_ok(
-        bin()
-            .args(["make-tiny", "--seed", "7", "--k31", "--mxfp4", "--out"])
-            .arg(again.path()),
-    );
+    run_ok(bin().args(["make-tiny", "--seed", "7", "--k31", "--mxfp4", "--out"]).arg(again.path()));
     assert_eq!(
         std::fs::read(dir.path().join("model.safetensors")).expect("a"),
         std::fs::read(again.path().join("model.safetensors")).expect("b"),
@@ -238,12 +152,13 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
     );
     assert_eq!(generate(again.path()), a);
 
-    let bench = run_ok(
-        bin()
-            .args(["bench", "forward", "--model"])
-            .arg(dir.path())
-            .args(["--prompt-len", "16", "--decode", "2", "--json"]),
-    );
+    let bench = run_ok(bin().args(["bench", "forward", "--model"]).arg(dir.path()).args([
+        "--prompt-len",
+        "16",
+        "--decode",
+        "2",
+        "--json",
+    ]));
     let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
     assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
 }
@@ -251,42 +166,37 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
 #[test]
 fn tokenize_command_encodes_decodes_and_benches() {
     let kimi = common::golden_dir().join("../tokenizer/kimi");
-    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args([
-        "--text",
-        "Hello world",
-        "--json",
-    ]));
+    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args(["--text", "Hello world", "--json"]));
     assert_eq!(out.trim(), "[19180,2695]");
-    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args([
-        "--text",
-        "<|open|>",
-        "--allow-special",
-    ]));
+    let out =
+        run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args(["--text", "<|open|>", "--allow-special"]));
     assert_eq!(out.trim(), "163587");
-    let out = run_ok(
-        bin()
-            .args(["tokenize", "--tokenizer"])
-            .arg(&kimi)
-            .args(["--decode", "[19180,2695,163587]"]),
-    );
+    let out = run_ok(bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args(["--decode", "[19180,2695,163587]"]));
     assert_eq!(out, "Hello world<|open|>");
-    let bad = bin()
-        .args(["tokenize", "--tokenizer"])
-        .arg(&kimi)
-        .args(["--decode", "[999999]"])
-        .output()
-        .expect("run");
+    let bad = bin().args(["tokenize", "--tokenizer"]).arg(&kimi).args(["--decode", "[999999]"]).output().expect("run");
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("999999"));
     // Smoke run only: no timing assertion.
-    let out = run_ok(
-        bin()
-            .args(["bench", "tokenizer", "--tokenizer"])
-            .arg(&kimi)
-            .args(["--mb", "0.2", "--json"]),
-    );
+    let out = run_ok(bin().args(["bench", "tokenizer", "--tokenizer"]).arg(&kimi).args(["--mb", "0.2", "--json"]));
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert!(v["ids"].as_u64().is_some_and(|n| n > 0));
     if v["tiktoken"].is_object() {
         assert_eq!(v["ids_match_tiktoken"], true, "same ids as Python tiktoken");
     }
+}
+
+#[test]
+fn plugin_check_and_bench_plugins_smoke() {
+    let out = run_ok(bin().args(["plugin", "check", "builtin:sampler-standard"]));
+    assert!(out.contains("world:   kimi:host/sampler@0.1.0") && out.contains("verdict: accepted"), "{out}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let evil = dir.path().join("evil.wasm");
+    std::fs::write(&evil, wat::parse_str(r#"(component (import "wasi:sockets/tcp@0.2.0" (instance)))"#).expect("wat"))
+        .expect("write");
+    let o = bin().args(["plugin", "check"]).arg(&evil).output().expect("run");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("wasi:sockets/tcp@0.2.0"));
+    // Smoke run only: no timing assertion.
+    let out = run_ok(bin().args(["bench", "plugins", "--steps", "3", "--batch", "2", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert!(v.as_array().is_some_and(|a| a.len() >= 5), "{v}");
 }

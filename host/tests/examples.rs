@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
 use kimi_host::plugins::{
-    Admission, PluginEnv, PluginKind, PluginRuntime, PolicyPlugin, RequestMeta, RuntimeOptions,
-    SamplerPlugin, TenantSampler, TenantServices,
+    Admission, PluginEnv, PluginKind, PluginRuntime, PolicyPlugin, RequestMeta, RuntimeOptions, SamplerPlugin,
+    TenantSampler, TenantServices,
 };
 
 fn repo() -> PathBuf {
@@ -21,11 +21,7 @@ fn tmp() -> PathBuf {
 }
 
 fn runtime() -> Arc<PluginRuntime> {
-    PluginRuntime::new(RuntimeOptions {
-        pooling: true,
-        cache_dir: Some(tmp().join("plugin-cache")),
-    })
-    .expect("runtime")
+    PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: Some(tmp().join("plugin-cache")) }).expect("runtime")
 }
 
 fn run(cmd: &mut Command) {
@@ -44,14 +40,7 @@ fn custom_sampler_example_builds_loads_and_samples() {
     let manifest = repo().join("examples/custom-sampler/Cargo.toml");
     let target = repo().join("plugins/target");
     run(Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "--target",
-            "wasm32-wasip2",
-            "--manifest-path",
-        ])
+        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2", "--manifest-path"])
         .arg(&manifest)
         .arg("--target-dir")
         .arg(&target)
@@ -59,37 +48,18 @@ fn custom_sampler_example_builds_loads_and_samples() {
     let wasm = target.join("wasm32-wasip2/release/typical_sampler.wasm");
     let bytes = std::fs::read(&wasm).expect("built component");
     let rt = runtime();
-    let compiled = rt
-        .load(&wasm.display().to_string(), &bytes)
-        .expect("loads from its file path");
+    let compiled = rt.load(&wasm.display().to_string(), &bytes).expect("loads from its file path");
     assert_eq!(compiled.kind, PluginKind::Sampler);
     let plugin = Arc::new(SamplerPlugin::new(rt, &compiled).expect("sampler"));
-    let env = Arc::new(PluginEnv {
-        vocab_size: 100,
-        eos_tokens: vec![99],
-        tokenizer: None,
-    });
+    let env = Arc::new(PluginEnv { vocab_size: 100, eos_tokens: vec![99], tokenizer: None });
     let mut ts = TenantSampler::new(plugin, env, Arc::new(TenantServices::default()), "t");
     let inst = ts.instance().expect("instance");
     assert_eq!(inst.caps.name, "typical-sampler");
     let row: Vec<f32> = (0..100).map(|i| -((i as f32) - 30.0).abs() / 8.0).collect();
-    let req = RequestInfo {
-        tenant: "t".into(),
-        request_id: "r".into(),
-        model: "m".into(),
-        params_json: "{}".into(),
-    };
+    let req = RequestInfo { tenant: "t".into(), request_id: "r".into(), model: "m".into(), params_json: "{}".into() };
     let draw = |inst: &mut kimi_host::plugins::SamplerInstance, seed: u64| -> Vec<u32> {
-        let seq = inst
-            .create_sequence(&req, r#"{"temperature": 1.0, "typical_p": 0.5}"#, seed)
-            .expect("seq");
-        (0..200)
-            .map(|_| {
-                *inst.sample(&[(&seq, &row)], None).expect("call")[0]
-                    .as_ref()
-                    .expect("id")
-            })
-            .collect()
+        let seq = inst.create_sequence(&req, r#"{"temperature": 1.0, "typical_p": 0.5}"#, seed).expect("seq");
+        (0..200).map(|_| *inst.sample(&[(&seq, &row)], None).expect("call")[0].as_ref().expect("id")).collect()
     };
     let a = draw(inst, 1);
     assert_eq!(a, draw(inst, 1), "seeded");
@@ -97,11 +67,7 @@ fn custom_sampler_example_builds_loads_and_samples() {
     assert!(a.iter().all(|&t| (15..=45).contains(&t)), "{a:?}");
     let distinct: std::collections::BTreeSet<_> = a.iter().collect();
     assert!(distinct.len() > 3);
-    let err = inst
-        .create_sequence(&req, r#"{"typical_p": 2}"#, 1)
-        .err()
-        .expect("bad parameter")
-        .to_string();
+    let err = inst.create_sequence(&req, r#"{"typical_p": 2}"#, 1).err().expect("bad parameter").to_string();
     assert!(err.contains("typical_p"), "{err}");
 }
 
@@ -110,11 +76,7 @@ fn componentize_py() -> PathBuf {
     let bin = venv.join("bin/componentize-py");
     if !bin.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
-        run(Command::new(venv.join("bin/pip")).args([
-            "install",
-            "--quiet",
-            "componentize-py==0.25.1",
-        ]));
+        run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", "componentize-py==0.25.1"]));
     }
     bin
 }
@@ -134,18 +96,10 @@ fn python_policy_example_builds_and_runs() {
     let bytes = std::fs::read(&out).expect("component");
     let rt = runtime();
     let report = rt.check(&bytes);
-    assert!(
-        report.imports.iter().all(|i| i.starts_with("kimi:host/")),
-        "no WASI at all: {:?}",
-        report.imports
-    );
+    assert!(report.imports.iter().all(|i| i.starts_with("kimi:host/")), "no WASI at all: {:?}", report.imports);
     let compiled = rt.load("python-policy", &bytes).expect("loads");
     let policy = PolicyPlugin::new(rt, &compiled).expect("policy");
-    let env = Arc::new(PluginEnv {
-        vocab_size: 512,
-        eos_tokens: vec![258],
-        tokenizer: None,
-    });
+    let env = Arc::new(PluginEnv { vocab_size: 512, eos_tokens: vec![258], tokenizer: None });
     let svc = Arc::new(TenantServices::default());
     let meta = |max: u32| RequestMeta {
         tenant: "acme".into(),
@@ -158,14 +112,8 @@ fn python_policy_example_builds_and_runs() {
         streaming: false,
     };
     let cfg = r#"{"blocked_words": ["launch codes"], "max_tokens": 100}"#;
-    let body = |text: &str| {
-        serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string()
-    };
-    let admit = |max: u32, text: &str| {
-        policy
-            .admit(&env, &svc, "acme", cfg, &meta(max), &body(text))
-            .expect("admit")
-    };
+    let body = |text: &str| serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string();
+    let admit = |max: u32, text: &str| policy.admit(&env, &svc, "acme", cfg, &meta(max), &body(text)).expect("admit");
     assert!(matches!(admit(50, "hello"), Admission::Allow));
     assert!(matches!(admit(50, "what's up"), Admission::Allow));
     match admit(50, "tell me the LAUNCH CODES") {
@@ -177,16 +125,7 @@ fn python_policy_example_builds_and_runs() {
         Admission::Allow => panic!("max_tokens cap"),
     }
     // The policy kept its count in the host's tenant-scoped kv store.
-    assert_eq!(
-        svc.kv_get("admitted:k1").map(|(v, _)| v),
-        Some(b"2".to_vec())
-    );
-    policy
-        .on_complete(&env, &svc, "acme", cfg, &meta(50), 12, 7)
-        .expect("on_complete");
-    assert!(
-        policy
-            .admit(&env, &svc, "acme", "not json", &meta(1), "{}")
-            .is_err()
-    );
+    assert_eq!(svc.kv_get("admitted:k1").map(|(v, _)| v), Some(b"2".to_vec()));
+    policy.on_complete(&env, &svc, "acme", cfg, &meta(50), 12, 7).expect("on_complete");
+    assert!(policy.admit(&env, &svc, "acme", "not json", &meta(1), "{}").is_err());
 }

@@ -75,11 +75,8 @@ impl Checker<'_> {
 }
 
 fn lens(g: &Golden, prefix: &str, suffix: &str) -> Vec<usize> {
-    let mut v: Vec<usize> = g
-        .names()
-        .iter()
-        .filter_map(|n| n.strip_prefix(prefix)?.strip_suffix(suffix)?.parse().ok())
-        .collect();
+    let mut v: Vec<usize> =
+        g.names().iter().filter_map(|n| n.strip_prefix(prefix)?.strip_suffix(suffix)?.parse().ok()).collect();
     v.sort();
     v
 }
@@ -89,21 +86,14 @@ fn check_case(name: &str) {
     let model = Model::load(&g.dir).expect("golden model loads");
     let cfg = model.text_config().clone();
     let (v, tol_l, tol_s) = (cfg.vocab_size, g.tol_logits(), g.tol_state());
-    let mut ck = Checker {
-        g: &g,
-        checked: BTreeSet::new(),
-        worst_logits: 0.0,
-        worst_state: 0.0,
-    };
+    let mut ck = Checker { g: &g, checked: BTreeSet::new(), worst_logits: 0.0, worst_state: 0.0 };
 
     // Prefill logits, fresh request, every position.
     for len in lens(&g, "prefill.len", ".input_ids") {
         let ids = g.ids(&format!("prefill.len{len}.input_ids"));
         ck.seen(&format!("prefill.len{len}.input_ids"));
         let mut st = model.new_state();
-        let logits = model
-            .forward(&ids, &mut st, LogitsFor::AllTokens, None)
-            .expect("forward");
+        let logits = model.forward(&ids, &mut st, LogitsFor::AllTokens, None).expect("forward");
         ck.f32(&format!("prefill.len{len}.logits"), &logits, tol_l);
     }
 
@@ -113,19 +103,13 @@ fn check_case(name: &str) {
     ck.seen("decode.prompt_input_ids");
     ck.seen("decode.input_ids");
     let mut st = model.new_state();
-    model
-        .forward(&prompt, &mut st, LogitsFor::AllTokens, None)
-        .expect("prefill");
+    model.forward(&prompt, &mut st, LogitsFor::AllTokens, None).expect("prefill");
     ck.state("after_prefill", &st, &cfg);
     let mut decode_logits = Vec::new();
     let mut decode_sel: Vec<Trace> = Vec::new();
     for &id in &steps {
         let mut tr = Trace::default();
-        decode_logits.extend(
-            model
-                .forward(&[id], &mut st, LogitsFor::AllTokens, Some(&mut tr))
-                .expect("decode"),
-        );
+        decode_logits.extend(model.forward(&[id], &mut st, LogitsFor::AllTokens, Some(&mut tr)).expect("decode"));
         decode_sel.push(tr);
     }
     ck.f32("decode.logits", &decode_logits, tol_l);
@@ -139,15 +123,10 @@ fn check_case(name: &str) {
         let mut ids = Vec::new();
         let mut margins = Vec::new();
         for tr in &decode_sel {
-            let s = tr
-                .get_i64(&format!("index.layer{i}.selected"))
-                .expect("decode selection traced");
+            let s = tr.get_i64(&format!("index.layer{i}.selected")).expect("decode selection traced");
             assert_eq!(s.len(), topk);
             ids.extend_from_slice(s);
-            margins.extend_from_slice(
-                tr.get_f32(&format!("index.layer{i}.margin"))
-                    .expect("margin"),
-            );
+            margins.extend_from_slice(tr.get_f32(&format!("index.layer{i}.margin")).expect("margin"));
         }
         ck.i64(&sel_name, &ids);
         ck.f32(&format!("index.decode.layer{i}.margin"), &margins, tol_s);
@@ -157,15 +136,10 @@ fn check_case(name: &str) {
     let mut all = prompt.clone();
     all.extend_from_slice(&steps);
     let mut fresh = model.new_state();
-    let full = model
-        .forward(&all, &mut fresh, LogitsFor::AllTokens, None)
-        .expect("full prefill");
+    let full = model.forward(&all, &mut fresh, LogitsFor::AllTokens, None).expect("full prefill");
     let tail = &full[prompt.len() * v..];
     let d = max_abs_diff(&decode_logits, tail);
-    assert!(
-        d <= tol_l,
-        "{name}: prefill+decode vs prefill(all): max |Δ| {d} > {tol_l}"
-    );
+    assert!(d <= tol_l, "{name}: prefill+decode vs prefill(all): max |Δ| {d} > {tol_l}");
 
     // Per-layer trace of one uncached prefill.
     for len in lens(&g, "trace.len", ".input_ids") {
@@ -173,27 +147,13 @@ fn check_case(name: &str) {
         let ids = g.ids(&format!("{pre}input_ids"));
         ck.seen(&format!("{pre}input_ids"));
         let mut tr = Trace::default();
-        model
-            .forward(
-                &ids,
-                &mut model.new_state(),
-                LogitsFor::AllTokens,
-                Some(&mut tr),
-            )
-            .expect("trace");
-        for gname in g
-            .names()
-            .iter()
-            .filter(|n| n.starts_with(&pre) && !n.ends_with("input_ids"))
-        {
+        model.forward(&ids, &mut model.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("trace");
+        for gname in g.names().iter().filter(|n| n.starts_with(&pre) && !n.ends_with("input_ids")) {
             let ours = &gname[pre.len()..];
             if let Some(x) = tr.get_i64(ours) {
                 ck.i64(gname, x);
             } else {
-                let x = tr
-                    .get_f32(ours)
-                    .unwrap_or_else(|| panic!("{ours} not traced"))
-                    .to_vec();
+                let x = tr.get_f32(ours).unwrap_or_else(|| panic!("{ours} not traced")).to_vec();
                 let tol = if ours == "logits" { tol_l } else { tol_s };
                 ck.f32(gname, &x, tol);
             }
@@ -205,14 +165,7 @@ fn check_case(name: &str) {
         let pre = format!("index.len{len}.");
         let ids = g.ids(&format!("prefill.len{len}.input_ids"));
         let mut tr = Trace::default();
-        model
-            .forward(
-                &ids,
-                &mut model.new_state(),
-                LogitsFor::AllTokens,
-                Some(&mut tr),
-            )
-            .expect("index");
+        model.forward(&ids, &mut model.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("index");
         for gname in g.names().iter().filter(|n| n.starts_with(&pre)) {
             let ours = format!("index.{}", &gname[pre.len()..]);
             if gname.ends_with(".selected") {
@@ -235,42 +188,23 @@ fn check_case(name: &str) {
     for gname in g.names().iter().filter(|n| n.starts_with("mxfp4.")) {
         let parts: Vec<&str> = gname.split('.').collect(); // mxfp4.layer1.expert0.w1.dequantized
         let layer: usize = parts[1].trim_start_matches("layer").parse().expect("layer");
-        let expert: usize = parts[2]
-            .trim_start_matches("expert")
-            .parse()
-            .expect("expert");
-        let Ffn::Moe(moe) = &model.layers[layer].ffn else {
-            panic!("layer {layer} is not MoE")
-        };
+        let expert: usize = parts[2].trim_start_matches("expert").parse().expect("expert");
+        let Ffn::Moe(moe) = &model.layers[layer].ffn else { panic!("layer {layer} is not MoE") };
         let ex = &moe.experts[expert];
         let w = match parts[3] {
             "w1" => &ex.w1,
             "w2" => &ex.w2,
             _ => &ex.w3,
         };
-        let Matrix::Mxfp4(m) = w.m() else {
-            panic!("{gname}: expert is not stored MXFP4")
-        };
+        let Matrix::Mxfp4(m) = w.m() else { panic!("{gname}: expert is not stored MXFP4") };
         let got = m.to_f32();
         let want = g.f32(gname);
-        assert!(
-            got.iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{gname}: not bit-exact"
-        );
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{gname}: not bit-exact");
         ck.seen(gname);
     }
 
-    let missing: Vec<String> = g
-        .names()
-        .into_iter()
-        .filter(|n| !ck.checked.contains(n))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "{name}: golden tensors not checked: {missing:?}"
-    );
+    let missing: Vec<String> = g.names().into_iter().filter(|n| !ck.checked.contains(n)).collect();
+    assert!(missing.is_empty(), "{name}: golden tensors not checked: {missing:?}");
     eprintln!(
         "{name}: {} golden tensors checked; worst logits |Δ| {:.2e} (tol {tol_l}), worst hidden/state |Δ| {:.2e} (tol {tol_s}); prefill+decode vs prefill(all) {d:.2e}",
         ck.checked.len(),

@@ -36,18 +36,11 @@ fn mxfp4_vectors_dequantise_exactly() {
     }
     // The edge rows really are the edge cases.
     assert_eq!(scale[10 * 4], 0);
-    assert!(
-        want[10 * cols..11 * cols]
-            .iter()
-            .any(|v| *v != 0.0 && v.is_subnormal())
-    );
+    assert!(want[10 * cols..11 * cols].iter().any(|v| *v != 0.0 && v.is_subnormal()));
     assert!(want[13 * cols..14 * cols].iter().any(|v| v.is_infinite()));
     assert!(want[14 * cols..15 * cols].iter().all(|v| v.is_nan()));
     // Spec §3.2 real-checkpoint row: low nibble first.
-    assert_eq!(
-        &packed[15 * 64..15 * 64 + 8],
-        &[0x16, 0xB9, 0xCE, 0x23, 0x85, 0xAB, 0x9B, 0xA2]
-    );
+    assert_eq!(&packed[15 * 64..15 * 64 + 8], &[0x16, 0xB9, 0xCE, 0x23, 0x85, 0xAB, 0x9B, 0xA2]);
     assert_eq!(got[15 * cols], 0.0625);
     assert_eq!(got[15 * cols + 1], 0.0078125);
 
@@ -59,11 +52,7 @@ fn mxfp4_vectors_dequantise_exactly() {
         let mut out = vec![0f32; rows];
         mat.matmul(&x, 1, &mut out);
         for r in (0..rows).filter(|&r| r != 13 && r != 14) {
-            assert_eq!(
-                out[r].to_bits(),
-                (got[r * cols + c] + 0.0).to_bits(),
-                "row {r} col {c}"
-            );
+            assert_eq!(out[r].to_bits(), (got[r * cols + c] + 0.0).to_bits(), "row {r} col {c}");
         }
     }
 }

@@ -7,8 +7,7 @@ use kimi_host::tokenizer::{Segment, Tokenizer};
 use serde_json::Value;
 
 fn kimi() -> Tokenizer {
-    Tokenizer::load(&common::golden_dir().join("../tokenizer/kimi"))
-        .expect("the Kimi tokenizer loads")
+    Tokenizer::load(&common::golden_dir().join("../tokenizer/kimi")).expect("the Kimi tokenizer loads")
 }
 
 fn lines(name: &str) -> Vec<Value> {
@@ -21,18 +20,11 @@ fn lines(name: &str) -> Vec<Value> {
 
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
+    v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 #[test]
@@ -48,17 +40,9 @@ fn every_golden_string_encodes_exactly_and_round_trips() {
         let text = c["text"].as_str().expect("text");
         let got = tok.encode_text(text);
         assert_eq!(got, ids(&c["ids"]), "{name} ({}): {text:?}", c["category"]);
-        assert_eq!(
-            tok.decode(&got).expect("decode"),
-            text,
-            "{name}: decode(encode(x)) != x"
-        );
+        assert_eq!(tok.decode(&got).expect("decode"), text, "{name}: decode(encode(x)) != x");
         if let Some(allowed) = c.get("ids_allow_special") {
-            assert_eq!(
-                tok.encode_with_specials(text),
-                ids(allowed),
-                "{name} with specials allowed"
-            );
+            assert_eq!(tok.encode_with_specials(text), ids(allowed), "{name} with specials allowed");
             with_specials += 1;
         }
     }
@@ -86,48 +70,26 @@ fn long_inputs_follow_the_release_chunking() {
         let count = c["count"].as_u64().expect("count") as usize;
         let text = unit.repeat(count) + c["suffix"].as_str().unwrap_or("");
         let got = tok.encode_text(&text);
-        assert_eq!(
-            got.len() as u64,
-            c["num_ids"].as_u64().expect("num_ids"),
-            "{name}: id count"
-        );
+        assert_eq!(got.len() as u64, c["num_ids"].as_u64().expect("num_ids"), "{name}: id count");
         if let Some(want) = c.get("ids") {
             assert_eq!(got, ids(want), "{name}");
         }
         let json = serde_json::to_string(&got).expect("json");
-        assert_eq!(
-            sha256_hex(json.as_bytes()),
-            c["ids_sha256"].as_str().expect("sha"),
-            "{name}: ids sha256"
-        );
+        assert_eq!(sha256_hex(json.as_bytes()), c["ids_sha256"].as_str().expect("sha"), "{name}: ids sha256");
     }
 }
 
 #[test]
 fn text_spelling_every_special_yields_no_special_id() {
     let tok = kimi();
-    let all: String = (163_584..163_840u32)
-        .map(|id| tok.decode(&[id]).expect("special name"))
-        .collect();
+    let all: String = (163_584..163_840u32).map(|id| tok.decode(&[id]).expect("special name")).collect();
     assert!(all.contains("<|open|>") && all.contains("<|reserved_token_163700|>"));
-    let ids = tok
-        .encode_segments(&[Segment::Text(all.clone())])
-        .expect("encode");
-    assert!(
-        ids.iter().all(|&id| !tok.is_special(id)),
-        "a text segment produced a special id"
-    );
+    let ids = tok.encode_segments(&[Segment::Text(all.clone())]).expect("encode");
+    assert!(ids.iter().all(|&id| !tok.is_special(id)), "a text segment produced a special id");
     assert_eq!(tok.decode(&ids).expect("decode"), all);
     // The same spelling as a special segment is the special.
-    let seg = [
-        Segment::Text("hi ".into()),
-        Segment::Special("<|open|>".into()),
-        Segment::Text("<|open|>".into()),
-    ];
+    let seg = [Segment::Text("hi ".into()), Segment::Special("<|open|>".into()), Segment::Text("<|open|>".into())];
     let ids = tok.encode_segments(&seg).expect("encode");
     assert_eq!(ids.iter().filter(|&&i| i == 163_587).count(), 1);
-    assert!(
-        tok.encode_segments(&[Segment::Special("<|nope|>".into())])
-            .is_err()
-    );
+    assert!(tok.encode_segments(&[Segment::Special("<|nope|>".into())]).is_err());
 }

@@ -12,8 +12,7 @@ use safetensors::tensor::TensorView;
 use serde_json::Value;
 
 fn release_config() -> Value {
-    let text = std::fs::read_to_string(common::golden_dir().join("k3-release-config/config.json"))
-        .expect("config");
+    let text = std::fs::read_to_string(common::golden_dir().join("k3-release-config/config.json")).expect("config");
     serde_json::from_str(&text).expect("json")
 }
 
@@ -23,13 +22,9 @@ fn parse(v: &Value) -> Result<kimi_host::model::ModelConfig, ModelError> {
 
 #[test]
 fn release_config_layer_lists_are_one_indexed() {
-    let c = parse(&release_config())
-        .expect("release config parses")
-        .text;
+    let c = parse(&release_config()).expect("release config parses").text;
     assert_eq!(c.num_layers, 93);
-    let mla: Vec<usize> = (0..93)
-        .filter(|&i| c.layer_kinds[i] == MixerKind::Mla)
-        .collect();
+    let mla: Vec<usize> = (0..93).filter(|&i| c.layer_kinds[i] == MixerKind::Mla).collect();
     let mut want: Vec<usize> = (0..23).map(|j| 4 * j + 3).collect();
     want.push(92);
     assert_eq!(mla, want, "MLA at 0-indexed 3, 7, …, 91 and 92");
@@ -52,10 +47,7 @@ fn expect_config_error(v: &Value, key: &str) {
 #[test]
 fn missing_and_inconsistent_keys_are_named() {
     let mut v = release_config();
-    v["text_config"]
-        .as_object_mut()
-        .expect("object")
-        .remove("hidden_size");
+    v["text_config"].as_object_mut().expect("object").remove("hidden_size");
     expect_config_error(&v, "text_config.hidden_size");
 
     let mut v = release_config();
@@ -63,10 +55,7 @@ fn missing_and_inconsistent_keys_are_named() {
     expect_config_error(&v, "text_config.linear_attn_config.full_attn_layers");
 
     let mut v = release_config();
-    v["text_config"]["linear_attn_config"]["kda_layers"]
-        .as_array_mut()
-        .expect("list")
-        .pop(); // 91 in neither
+    v["text_config"]["linear_attn_config"]["kda_layers"].as_array_mut().expect("list").pop(); // 91 in neither
     expect_config_error(&v, "text_config.linear_attn_config.kda_layers");
 
     let mut v = release_config();
@@ -118,11 +107,8 @@ fn edited_copy(
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).expect("copy config");
     let bytes = std::fs::read(src.join("model.safetensors")).expect("read");
     let st = SafeTensors::deserialize(&bytes).expect("golden model parses");
-    let mut tensors: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
-        .collect();
+    let mut tensors: Vec<_> =
+        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     edit(&mut tensors);
     write_tensors(&dir.path().join("model.safetensors"), &tensors);
@@ -130,10 +116,8 @@ fn edited_copy(
 }
 
 fn write_tensors(path: &Path, tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)]) {
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
-        .collect();
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
     safetensors::serialize_to_file(views, None, path).expect("write");
 }
 
@@ -154,11 +138,7 @@ fn wrong_shape_names_tensor_expected_and_found() {
     });
     let e = load_err(dir.path());
     match &e {
-        ModelError::Shape {
-            name,
-            expected,
-            found,
-        } => {
+        ModelError::Shape { name, expected, found } => {
             assert_eq!(name, Q_PROJ);
             assert_eq!(expected, &vec![64, 128]);
             assert_eq!(found, &vec![128, 64]);
@@ -166,10 +146,7 @@ fn wrong_shape_names_tensor_expected_and_found() {
         other => panic!("expected a shape error, got {other:?}"),
     }
     let msg = e.to_string();
-    assert!(
-        msg.contains(Q_PROJ) && msg.contains("[64, 128]") && msg.contains("[128, 64]"),
-        "{msg}"
-    );
+    assert!(msg.contains(Q_PROJ) && msg.contains("[64, 128]") && msg.contains("[128, 64]"), "{msg}");
 }
 
 #[test]
@@ -188,11 +165,7 @@ fn wrong_dtype_names_tensor_expected_and_found() {
         t.1 = safetensors::Dtype::F16;
     });
     match load_err(dir.path()) {
-        ModelError::Dtype {
-            name,
-            expected,
-            found,
-        } => {
+        ModelError::Dtype { name, expected, found } => {
             assert_eq!(name, Q_PROJ);
             assert_eq!(expected, "BF16 or F32");
             assert_eq!(found, "F16");
@@ -206,15 +179,10 @@ fn truncated_file_names_the_tensor_cut_off() {
     let dir = edited_copy("k3-tiny", |_| {});
     let path = dir.path().join("model.safetensors");
     let len = std::fs::metadata(&path).expect("meta").len();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .expect("open");
+    let f = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
     f.set_len(len - 1000).expect("truncate");
     match load_err(dir.path()) {
-        ModelError::Truncated {
-            name, need, have, ..
-        } => {
+        ModelError::Truncated { name, need, have, .. } => {
             assert!(name.starts_with("language_model."), "{name}");
             assert_eq!(have, len - 1000);
             assert!(need > have);
@@ -230,11 +198,8 @@ fn sharded_checkpoint_loads_like_the_single_file() {
     std::fs::copy(single.join("config.json"), dir.path().join("config.json")).expect("copy");
     let bytes = std::fs::read(single.join("model.safetensors")).expect("read");
     let st = SafeTensors::deserialize(&bytes).expect("parse");
-    let mut tensors: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
-        .collect();
+    let mut tensors: Vec<_> =
+        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let half = tensors.len() / 2;
     let mut map = serde_json::Map::new();
@@ -246,32 +211,20 @@ fn sharded_checkpoint_loads_like_the_single_file() {
         }
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": map});
-    std::fs::write(
-        dir.path().join("model.safetensors.index.json"),
-        index.to_string(),
-    )
-    .expect("index");
+    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("index");
 
     let ids = [5u32, 17, 200, 3, 99];
     let a = Model::load(&single).expect("single");
     let b = Model::load(dir.path()).expect("sharded");
-    let la = a
-        .forward(&ids, &mut a.new_state(), LogitsFor::AllTokens, None)
-        .expect("forward");
-    let lb = b
-        .forward(&ids, &mut b.new_state(), LogitsFor::AllTokens, None)
-        .expect("forward");
+    let la = a.forward(&ids, &mut a.new_state(), LogitsFor::AllTokens, None).expect("forward");
+    let lb = b.forward(&ids, &mut b.new_state(), LogitsFor::AllTokens, None).expect("forward");
     assert_eq!(la, lb);
 
     // An index naming a tensor its shard lacks is an error naming that tensor.
     let moved = tensors[half].0.clone();
     let mut bad = serde_json::json!({"weight_map": map});
     bad["weight_map"][&moved] = Value::from("model-00001-of-00002.safetensors");
-    std::fs::write(
-        dir.path().join("model.safetensors.index.json"),
-        bad.to_string(),
-    )
-    .expect("index");
+    std::fs::write(dir.path().join("model.safetensors.index.json"), bad.to_string()).expect("index");
     let msg = load_err(dir.path()).to_string();
     assert!(msg.contains(&moved), "{msg}");
 }
@@ -280,10 +233,7 @@ fn sharded_checkpoint_loads_like_the_single_file() {
 fn out_of_range_ids_are_an_error_not_a_panic() {
     let m = Model::load(&common::golden_dir().join("k3-tiny")).expect("load");
     match m.forward(&[1, 256], &mut m.new_state(), LogitsFor::AllTokens, None) {
-        Err(ModelError::TokenOutOfRange {
-            id: 256,
-            vocab: 256,
-        }) => {}
+        Err(ModelError::TokenOutOfRange { id: 256, vocab: 256 }) => {}
         other => panic!("expected TokenOutOfRange, got {:?}", other.map(|v| v.len())),
     }
 }

@@ -7,33 +7,20 @@ use std::time::{Duration, Instant};
 use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
 use kimi_host::plugins::builtin::{TEST_HOSTILE, builtin};
 use kimi_host::plugins::{
-    KindLimits, PluginEnv, PluginError, PluginKind, PluginRuntime, RuntimeOptions, SamplerPlugin,
-    TenantSampler, TenantServices,
+    KindLimits, PluginEnv, PluginError, PluginKind, PluginRuntime, RuntimeOptions, SamplerPlugin, TenantSampler,
+    TenantServices,
 };
 
 fn runtime(cache: &tempfile::TempDir) -> Arc<PluginRuntime> {
-    PluginRuntime::new(RuntimeOptions {
-        pooling: true,
-        cache_dir: Some(cache.path().to_path_buf()),
-    })
-    .expect("runtime")
+    PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: Some(cache.path().to_path_buf()) }).expect("runtime")
 }
 
 fn env(vocab: u32) -> Arc<PluginEnv> {
-    Arc::new(PluginEnv {
-        vocab_size: vocab,
-        eos_tokens: vec![vocab - 1],
-        tokenizer: None,
-    })
+    Arc::new(PluginEnv { vocab_size: vocab, eos_tokens: vec![vocab - 1], tokenizer: None })
 }
 
 fn req(tenant: &str) -> RequestInfo {
-    RequestInfo {
-        tenant: tenant.into(),
-        request_id: "r1".into(),
-        model: "tiny".into(),
-        params_json: "{}".into(),
-    }
+    RequestInfo { tenant: tenant.into(), request_id: "r1".into(), model: "tiny".into(), params_json: "{}".into() }
 }
 
 fn sampler(rt: &Arc<PluginRuntime>, name: &str, bytes: &[u8]) -> Arc<SamplerPlugin> {
@@ -59,26 +46,13 @@ fn hostile_components_fail_only_their_request() {
     let cache = tempfile::tempdir().expect("tempdir");
     let rt = runtime(&cache);
     let deadline = Duration::from_millis(20);
-    let limits = KindLimits {
-        memory_bytes: 16 << 20,
-        call: deadline,
-        init: Duration::from_secs(2),
-    };
+    let limits = KindLimits { memory_bytes: 16 << 20, call: deadline, init: Duration::from_secs(2) };
     let compiled = rt.load("test-hostile", TEST_HOSTILE).expect("loads");
-    let plugin = Arc::new(
-        SamplerPlugin::new(rt.clone(), &compiled)
-            .expect("sampler")
-            .with_limits(limits),
-    );
+    let plugin = Arc::new(SamplerPlugin::new(rt.clone(), &compiled).expect("sampler").with_limits(limits));
     let services = Arc::new(TenantServices::default());
     let mut ts = TenantSampler::new(plugin, env(64), services, "acme");
     let row = logits(64, 1);
-    let argmax = row
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .expect("row");
+    let argmax = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("row");
 
     // Infinite loop: trapped within 10× its deadline; the next request succeeds.
     let inst = ts.instance().expect("instance");
@@ -87,53 +61,30 @@ fn hostile_components_fail_only_their_request() {
     let r = inst.sample(&[(&seq, &row)], None);
     let took = t.elapsed();
     assert!(matches!(r, Err(PluginError::Timeout { .. })), "{r:?}");
-    assert!(
-        took < deadline * 10,
-        "loop trapped after {took:?} (deadline {deadline:?})"
-    );
+    assert!(took < deadline * 10, "loop trapped after {took:?} (deadline {deadline:?})");
     ts.observe(&r);
     let inst = ts.instance().expect("fresh instance after the trap");
     let ok = inst.create_sequence(&req("acme"), "ok", 1).expect("seq");
-    assert_eq!(
-        inst.sample(&[(&ok, &row)], None).expect("call")[0]
-            .as_ref()
-            .expect("token"),
-        &argmax
-    );
+    assert_eq!(inst.sample(&[(&ok, &row)], None).expect("call")[0].as_ref().expect("token"), &argmax);
 
     // Unbounded memory growth traps at the cap.
     let inst = ts.instance().expect("instance");
     let seq = inst.create_sequence(&req("acme"), "grow", 1).expect("seq");
     let r = inst.sample(&[(&seq, &row)], None);
-    assert!(
-        matches!(r, Err(PluginError::OutOfMemory { mib: 16, .. })),
-        "{r:?}"
-    );
+    assert!(matches!(r, Err(PluginError::OutOfMemory { mib: 16, .. })), "{r:?}");
 
     // A panic fails the call with an error naming the plugin.
-    let mut ts2 = TenantSampler::new(
-        ts.plugin.clone(),
-        env(64),
-        Arc::new(TenantServices::default()),
-        "acme",
-    );
+    let mut ts2 = TenantSampler::new(ts.plugin.clone(), env(64), Arc::new(TenantServices::default()), "acme");
     let inst = ts2.instance().expect("instance");
     let seq = inst.create_sequence(&req("acme"), "panic", 1).expect("seq");
     let err = inst.sample(&[(&seq, &row)], None).expect_err("panic traps");
-    assert!(
-        matches!(err, PluginError::Trap { .. }) && err.to_string().contains("test-hostile"),
-        "{err}"
-    );
+    assert!(matches!(err, PluginError::Trap { .. }) && err.to_string().contains("test-hostile"), "{err}");
 
     // An out-of-range token fails that sequence only.
     let inst = ts2.instance().expect("instance");
-    let bad = inst
-        .create_sequence(&req("acme"), "bad-token", 1)
-        .expect("seq");
+    let bad = inst.create_sequence(&req("acme"), "bad-token", 1).expect("seq");
     let good = inst.create_sequence(&req("acme"), "ok", 1).expect("seq");
-    let out = inst
-        .sample(&[(&bad, &row), (&good, &row)], None)
-        .expect("call");
+    let out = inst.sample(&[(&bad, &row), (&good, &row)], None).expect("call");
     assert!(
         matches!(&out[0], Err(PluginError::BadReturn { msg, .. }) if msg.contains("outside the vocabulary")),
         "{:?}",
@@ -147,12 +98,7 @@ fn repeated_failures_disable_the_plugin_for_that_tenant() {
     let cache = tempfile::tempdir().expect("tempdir");
     let rt = runtime(&cache);
     let plugin = sampler(&rt, "test-hostile", TEST_HOSTILE);
-    let mut a = TenantSampler::new(
-        plugin.clone(),
-        env(64),
-        Arc::new(TenantServices::default()),
-        "a",
-    );
+    let mut a = TenantSampler::new(plugin.clone(), env(64), Arc::new(TenantServices::default()), "a");
     let mut b = TenantSampler::new(plugin, env(64), Arc::new(TenantServices::default()), "b");
     let row = logits(64, 2);
     for _ in 0..3 {
@@ -173,11 +119,7 @@ fn repeated_failures_disable_the_plugin_for_that_tenant() {
 fn forbidden_imports_are_rejected_at_load_with_the_import_named() {
     let cache = tempfile::tempdir().expect("tempdir");
     let rt = runtime(&cache);
-    for import in [
-        "wasi:filesystem/types@0.2.0",
-        "wasi:sockets/tcp@0.2.0",
-        "acme:secret/exfiltrate@1.0.0",
-    ] {
+    for import in ["wasi:filesystem/types@0.2.0", "wasi:sockets/tcp@0.2.0", "acme:secret/exfiltrate@1.0.0"] {
         let wat = format!(r#"(component (import "{import}" (instance)))"#);
         let bytes = wat::parse_str(&wat).expect("wat");
         let err = rt.load("evil", &bytes).err().expect("rejected");
@@ -187,11 +129,7 @@ fn forbidden_imports_are_rejected_at_load_with_the_import_named() {
     }
     // A kind may not use another kind's imports: a sampler importing `kv`.
     let wat = r#"(component (import "kimi:host/kv@0.1.0" (instance)))"#;
-    let err = rt
-        .load("sneaky", &wat::parse_str(wat).expect("wat"))
-        .err()
-        .expect("rejected")
-        .to_string();
+    let err = rt.load("sneaky", &wat::parse_str(wat).expect("wat")).err().expect("rejected").to_string();
     assert!(err.contains("exports none"), "{err}");
     // Garbage is not a component.
     assert!(rt.load("junk", b"\0asm junk").is_err());
@@ -202,62 +140,30 @@ fn tenants_never_share_sampler_state() {
     let cache = tempfile::tempdir().expect("tempdir");
     let rt = runtime(&cache);
     let hostile = sampler(&rt, "test-hostile", TEST_HOSTILE);
-    let standard = sampler(
-        &rt,
-        "sampler-standard",
-        builtin("builtin:sampler-standard").expect("builtin"),
-    );
+    let standard = sampler(&rt, "sampler-standard", builtin("builtin:sampler-standard").expect("builtin"));
     let row = logits(64, 3);
     // Tenant A (counting sampler) and tenant B (standard sampler) in one process.
-    let mut a = TenantSampler::new(
-        hostile.clone(),
-        env(64),
-        Arc::new(TenantServices::default()),
-        "a",
-    );
+    let mut a = TenantSampler::new(hostile.clone(), env(64), Arc::new(TenantServices::default()), "a");
     let mut b = TenantSampler::new(standard, env(64), Arc::new(TenantServices::default()), "b");
     let ia = a.instance().expect("a");
     let sa = ia.create_sequence(&req("a"), "count", 1).expect("seq");
-    let got: Vec<u32> = (0..3)
-        .map(|_| {
-            *ia.sample(&[(&sa, &row)], None).expect("call")[0]
-                .as_ref()
-                .expect("id")
-        })
-        .collect();
+    let got: Vec<u32> =
+        (0..3).map(|_| *ia.sample(&[(&sa, &row)], None).expect("call")[0].as_ref().expect("id")).collect();
     assert_eq!(got, [1, 2, 3]);
     let ib = b.instance().expect("b");
-    let sb = ib
-        .create_sequence(&req("b"), r#"{"temperature": 0}"#, 1)
-        .expect("seq");
-    ib.sample(&[(&sb, &row)], None).expect("call")[0]
-        .as_ref()
-        .expect("id");
+    let sb = ib.create_sequence(&req("b"), r#"{"temperature": 0}"#, 1).expect("seq");
+    ib.sample(&[(&sb, &row)], None).expect("call")[0].as_ref().expect("id");
     // A third tenant on the counting plugin starts from zero: instance-global state is per tenant.
     let mut c = TenantSampler::new(hostile, env(64), Arc::new(TenantServices::default()), "c");
     let ic = c.instance().expect("c");
     let sc = ic.create_sequence(&req("c"), "count", 1).expect("seq");
-    assert_eq!(
-        ic.sample(&[(&sc, &row)], None).expect("call")[0]
-            .as_ref()
-            .expect("id"),
-        &1
-    );
+    assert_eq!(ic.sample(&[(&sc, &row)], None).expect("call")[0].as_ref().expect("id"), &1);
     let ia = a.instance().expect("a");
-    assert_eq!(
-        ia.sample(&[(&sa, &row)], None).expect("call")[0]
-            .as_ref()
-            .expect("id"),
-        &4
-    );
+    assert_eq!(ia.sample(&[(&sa, &row)], None).expect("call")[0].as_ref().expect("id"), &4);
 }
 
 fn standard(rt: &Arc<PluginRuntime>, vocab: u32) -> TenantSampler {
-    let plugin = sampler(
-        rt,
-        "sampler-standard",
-        builtin("sampler-standard").expect("builtin"),
-    );
+    let plugin = sampler(rt, "sampler-standard", builtin("sampler-standard").expect("builtin"));
     TenantSampler::new(plugin, env(vocab), Arc::new(TenantServices::default()), "t")
 }
 
@@ -274,9 +180,7 @@ fn sampler_standard_is_deterministic_and_greedy_at_temperature_zero() {
         inst.accept(&seq, &[1, 2, 3]).expect("prompt");
         let mut out = Vec::new();
         for r in &rows {
-            let id = *inst.sample(&[(&seq, r)], None).expect("call")[0]
-                .as_ref()
-                .expect("id");
+            let id = *inst.sample(&[(&seq, r)], None).expect("call")[0].as_ref().expect("id");
             inst.accept(&seq, &[id]).expect("accept");
             out.push(id);
         }
@@ -284,35 +188,17 @@ fn sampler_standard_is_deterministic_and_greedy_at_temperature_zero() {
         out
     };
     let p = r#"{"temperature": 0.9, "top_p": 0.95, "frequency_penalty": 0.5}"#;
-    assert_eq!(
-        run(&mut ts, p, 42),
-        run(&mut ts, p, 42),
-        "same seed, same tokens"
-    );
-    assert_ne!(
-        run(&mut ts, p, 42),
-        run(&mut ts, p, 43),
-        "different seeds differ"
-    );
+    assert_eq!(run(&mut ts, p, 42), run(&mut ts, p, 42), "same seed, same tokens");
+    assert_ne!(run(&mut ts, p, 42), run(&mut ts, p, 43), "different seeds differ");
     let greedy = run(&mut ts, r#"{"temperature": 0}"#, 7);
     let argmax: Vec<u32> = rows
         .iter()
-        .map(|r| {
-            r.iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map(|(i, _)| i as u32)
-                .expect("max")
-        })
+        .map(|r| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("max"))
         .collect();
     assert_eq!(greedy, argmax);
     // Bad parameters fail at sequence creation, naming the parameter.
     let inst = ts.instance().expect("instance");
-    let err = inst
-        .create_sequence(&req("t"), r#"{"top_p": 1.5}"#, 1)
-        .err()
-        .expect("rejected")
-        .to_string();
+    let err = inst.create_sequence(&req("t"), r#"{"top_p": 1.5}"#, 1).err().expect("rejected").to_string();
     assert!(err.contains("top_p"), "{err}");
 }
 
@@ -321,15 +207,8 @@ fn exact(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: f64) -> Vec<f64> 
     let mut order: Vec<usize> = (0..row.len()).collect();
     order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
     let z: f64 = row.iter().map(|&l| (l as f64 / t).exp()).sum();
-    let probs: Vec<f64> = order
-        .iter()
-        .map(|&i| (row[i] as f64 / t).exp() / z)
-        .collect();
-    let mut keep = if top_k > 0 {
-        top_k.min(row.len())
-    } else {
-        row.len()
-    };
+    let probs: Vec<f64> = order.iter().map(|&i| (row[i] as f64 / t).exp() / z).collect();
+    let mut keep = if top_k > 0 { top_k.min(row.len()) } else { row.len() };
     let s: f64 = probs[..keep].iter().sum();
     let mut cum = 0.0;
     for (i, p) in probs[..keep].iter().enumerate() {
@@ -340,11 +219,7 @@ fn exact(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: f64) -> Vec<f64> 
         }
     }
     let floor = min_p * probs[0];
-    keep = probs[..keep]
-        .iter()
-        .take_while(|&&p| p >= floor)
-        .count()
-        .max(1);
+    keep = probs[..keep].iter().take_while(|&&p| p >= floor).count().max(1);
     let s: f64 = probs[..keep].iter().sum();
     let mut out = vec![0.0; row.len()];
     for (j, &i) in order.iter().enumerate().take(keep) {
@@ -399,17 +274,9 @@ fn compiled_components_are_cached_on_disk() {
     let rt = runtime(&cache);
     let bytes = builtin("sampler-standard").expect("builtin");
     let first = rt.load("s", bytes).expect("load");
-    let files: Vec<_> = std::fs::read_dir(cache.path())
-        .expect("dir")
-        .flatten()
-        .collect();
+    let files: Vec<_> = std::fs::read_dir(cache.path()).expect("dir").flatten().collect();
     assert_eq!(files.len(), 1);
-    assert!(
-        files[0]
-            .file_name()
-            .to_string_lossy()
-            .starts_with(&first.sha256)
-    );
+    assert!(files[0].file_name().to_string_lossy().starts_with(&first.sha256));
     let again = rt.load("s", bytes).expect("load from cache");
     assert_eq!(again.sha256, first.sha256);
     let report = rt.check(bytes);

@@ -9,23 +9,13 @@ use kimi_host::plugins::{
 };
 
 fn policy(name: &str) -> PolicyPlugin {
-    let rt = PluginRuntime::new(RuntimeOptions {
-        pooling: true,
-        cache_dir: None,
-    })
-    .expect("runtime");
-    let compiled = rt
-        .load(name, builtin(name).expect("builtin"))
-        .expect("loads");
+    let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None }).expect("runtime");
+    let compiled = rt.load(name, builtin(name).expect("builtin")).expect("loads");
     PolicyPlugin::new(rt, &compiled).expect("policy")
 }
 
 fn env() -> Arc<PluginEnv> {
-    Arc::new(PluginEnv {
-        vocab_size: 512,
-        eos_tokens: vec![258],
-        tokenizer: None,
-    })
+    Arc::new(PluginEnv { vocab_size: 512, eos_tokens: vec![258], tokenizer: None })
 }
 
 fn meta(key: &str, prompt: u32, max: u32) -> RequestMeta {
@@ -45,10 +35,7 @@ fn meta(key: &str, prompt: u32, max: u32) -> RequestMeta {
 fn kimi_vendor_policy_follows_the_verifier_rules() {
     let p = policy("policy-kimi-vendor");
     let (env, svc) = (env(), Arc::new(TenantServices::default()));
-    let admit = |body: &str| {
-        p.admit(&env, &svc, "acme", "", &meta("k", 10, 10), body)
-            .expect("admit")
-    };
+    let admit = |body: &str| p.admit(&env, &svc, "acme", "", &meta("k", 10, 10), body).expect("admit");
     for ok in [
         r#"{"messages": []}"#,
         r#"{"temperature": 0.0}"#,
@@ -56,10 +43,7 @@ fn kimi_vendor_policy_follows_the_verifier_rules() {
         r#"{"temperature": 1.0, "top_p": 0.95}"#,
         r#"{"presence_penalty": 0, "frequency_penalty": 0.0, "n": 1}"#,
     ] {
-        assert!(
-            matches!(admit(ok), Admission::Allow),
-            "{ok} must be accepted"
-        );
+        assert!(matches!(admit(ok), Admission::Allow), "{ok} must be accepted");
     }
     for (bad, word) in [
         (r#"{"temperature": 1.1}"#, "temperature"),
@@ -79,10 +63,7 @@ fn kimi_vendor_policy_follows_the_verifier_rules() {
         }
     }
     // A bad configuration is the plugin's error, not a crash.
-    assert!(
-        p.admit(&env, &svc, "acme", "{\"nope\": 1}", &meta("k", 1, 1), "{}")
-            .is_err()
-    );
+    assert!(p.admit(&env, &svc, "acme", "{\"nope\": 1}", &meta("k", 1, 1), "{}").is_err());
 }
 
 #[test]
@@ -92,11 +73,7 @@ fn limits_policy_rate_limits_caps_and_concurrency() {
     let cfg = r#"{"requests_per_minute": 3, "max_prompt_tokens": 100, "max_completion_tokens": 50, "max_concurrent": 2, "per_key": true}"#;
     let admit = |m: &RequestMeta| p.admit(&env, &svc, "acme", cfg, m, "{}").expect("admit");
     match admit(&meta("k1", 101, 10)) {
-        Admission::Reject(r) => assert!(
-            r.status == 400 && r.message.contains("prompt"),
-            "{}",
-            r.message
-        ),
+        Admission::Reject(r) => assert!(r.status == 400 && r.message.contains("prompt"), "{}", r.message),
         Admission::Allow => panic!("prompt cap"),
     }
     match admit(&meta("k1", 10, 51)) {
@@ -110,18 +87,13 @@ fn limits_policy_rate_limits_caps_and_concurrency() {
         Admission::Reject(r) => assert!(r.status == 429 && r.message.contains("concurrent")),
         Admission::Allow => panic!("concurrency cap"),
     }
-    p.on_complete(&env, &svc, "acme", cfg, &meta("k1", 10, 10), 10, 5)
-        .expect("complete");
+    p.on_complete(&env, &svc, "acme", cfg, &meta("k1", 10, 10), 10, 5).expect("complete");
     // The slot is back, but the request bucket (3 per minute, 4 admitted attempts) is empty now.
     match admit(&meta("k1", 10, 10)) {
         Admission::Reject(r) => {
             assert_eq!(r.status, 429);
             assert!(r.message.contains("requests per minute"), "{}", r.message);
-            assert!(
-                r.retry_after_ms.is_some_and(|ms| ms > 0 && ms <= 60_000),
-                "{:?}",
-                r.retry_after_ms
-            );
+            assert!(r.retry_after_ms.is_some_and(|ms| ms > 0 && ms <= 60_000), "{:?}", r.retry_after_ms);
         }
         Admission::Allow => panic!("rate limit"),
     }
@@ -130,8 +102,7 @@ fn limits_policy_rate_limits_caps_and_concurrency() {
     // Another tenant's services are separate.
     let other = Arc::new(TenantServices::default());
     assert!(matches!(
-        p.admit(&env, &other, "globex", cfg, &meta("k1", 10, 10), "{}")
-            .expect("admit"),
+        p.admit(&env, &other, "globex", cfg, &meta("k1", 10, 10), "{}").expect("admit"),
         Admission::Allow
     ));
 }

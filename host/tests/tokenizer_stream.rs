@@ -63,29 +63,18 @@ const POOL: &[&str] = &[
 
 fn random_text(rng: &mut StdRng, max_parts: usize) -> String {
     let n = rng.random_range(0..max_parts);
-    (0..n)
-        .map(|_| POOL[rng.random_range(0..POOL.len())])
-        .collect()
+    (0..n).map(|_| POOL[rng.random_range(0..POOL.len())]).collect()
 }
 
 /// Encodes `text` split at random char boundaries (each part its own text segment).
 fn encode_split(tok: &Tokenizer, rng: &mut StdRng, text: &str) -> Vec<u32> {
-    let bounds: Vec<usize> = text
-        .char_indices()
-        .map(|(i, _)| i)
-        .chain([text.len()])
-        .collect();
-    let mut cuts: Vec<usize> = (0..rng.random_range(0..4))
-        .map(|_| bounds[rng.random_range(0..bounds.len())])
-        .collect();
+    let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
+    let mut cuts: Vec<usize> = (0..rng.random_range(0..4)).map(|_| bounds[rng.random_range(0..bounds.len())]).collect();
     cuts.push(0);
     cuts.push(text.len());
     cuts.sort();
     cuts.dedup();
-    let segs: Vec<Segment> = cuts
-        .windows(2)
-        .map(|w| Segment::Text(text[w[0]..w[1]].to_string()))
-        .collect();
+    let segs: Vec<Segment> = cuts.windows(2).map(|w| Segment::Text(text[w[0]..w[1]].to_string())).collect();
     tok.encode_segments(&segs).expect("encode")
 }
 
@@ -115,17 +104,11 @@ fn random_texts_stream_back_byte_identically_and_never_split_characters() {
         for _ in 0..400 {
             let text = random_text(&mut rng, 24);
             let ids = encode_split(tok, &mut rng, &text);
-            assert!(
-                ids.iter().all(|&i| !tok.is_special(i)),
-                "text became a special: {text:?}"
-            );
+            assert!(ids.iter().all(|&i| !tok.is_special(i)), "text became a special: {text:?}");
             let (chunks, stop) = stream(tok, &ids, &[]);
             assert!(stop.is_none());
             for c in &chunks {
-                assert!(
-                    !c.contains('\u{FFFD}'),
-                    "a character came out split in {text:?}: {chunks:?}"
-                );
+                assert!(!c.contains('\u{FFFD}'), "a character came out split in {text:?}: {chunks:?}");
             }
             assert_eq!(chunks.concat(), text);
         }
@@ -136,11 +119,7 @@ fn random_texts_stream_back_byte_identically_and_never_split_characters() {
 fn stop_string_across_two_tokens_is_detected_and_not_emitted() {
     let tok = kimi();
     let ids = tok.encode_text("Hello world, again");
-    assert_eq!(
-        &ids[..2],
-        &[19180, 2695],
-        "\"Hello\" and \" world\" are single tokens"
-    );
+    assert_eq!(&ids[..2], &[19180, 2695], "\"Hello\" and \" world\" are single tokens");
     // "lo wor" starts in the first token and ends in the second.
     let (chunks, stop) = stream(&tok, &ids, &["lo wor"]);
     assert_eq!(stop, Some(0));
@@ -157,11 +136,7 @@ fn random_stop_strings_cut_at_their_first_occurrence() {
     for tok in [&kimi, &bytes] {
         for _ in 0..300 {
             let text = random_text(&mut rng, 16) + "STOP" + &random_text(&mut rng, 8);
-            let bounds: Vec<usize> = text
-                .char_indices()
-                .map(|(i, _)| i)
-                .chain([text.len()])
-                .collect();
+            let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
             let a = bounds[rng.random_range(0..bounds.len())];
             let b = bounds[rng.random_range(0..bounds.len())];
             let (a, b) = (a.min(b), a.max(b));
@@ -202,18 +177,9 @@ fn byte_level_tokenizer_has_k3_specials_on_top() {
 fn malformed_tokenizer_files_name_file_and_line() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("tiktoken.model"), "IQ== 0\nnot-base64! 1\n").expect("write");
-    let err = Tokenizer::load(dir.path())
-        .err()
-        .expect("must fail")
-        .to_string();
-    assert!(
-        err.contains("tiktoken.model:2") && err.contains("base64"),
-        "{err}"
-    );
+    let err = Tokenizer::load(dir.path()).err().expect("must fail").to_string();
+    assert!(err.contains("tiktoken.model:2") && err.contains("base64"), "{err}");
     std::fs::write(dir.path().join("tiktoken.model"), "IQ== 0\nIg== 0\n").expect("write");
-    let err = Tokenizer::load(dir.path())
-        .err()
-        .expect("must fail")
-        .to_string();
+    let err = Tokenizer::load(dir.path()).err().expect("must fail").to_string();
     assert!(err.contains(":2") && err.contains("rank 0"), "{err}");
 }

@@ -16,9 +16,7 @@ fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> V
     let mut out = vec![0f64; tokens * rows];
     for t in 0..tokens {
         for r in 0..rows {
-            out[t * rows + r] = (0..cols)
-                .map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64)
-                .sum();
+            out[t * rows + r] = (0..cols).map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
         }
     }
     out
@@ -27,10 +25,7 @@ fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> V
 fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (*g as f64 - w).abs() <= tol * (1.0 + w.abs()),
-            "{what}[{i}]: got {g}, want {w}"
-        );
+        assert!((*g as f64 - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
     }
 }
 
@@ -57,11 +52,7 @@ fn f32_matmul_matches_reference() {
     let mut rng = StdRng::seed_from_u64(2);
     let (rows, cols) = (130, 77);
     let w = randn(&mut rng, rows * cols);
-    let m = Matrix::F32(F32Matrix {
-        data: &w,
-        rows,
-        cols,
-    });
+    let m = Matrix::F32(F32Matrix { data: &w, rows, cols });
     for tokens in [1, 4, 6] {
         let x = randn(&mut rng, tokens * cols);
         let mut out = vec![0f32; tokens * rows];
@@ -88,22 +79,14 @@ fn mxfp4_matmul_matches_its_dequantisation() {
         let deq = mx.to_f32();
         // Quantisation keeps every value within a quarter of its group's scale of the original.
         for (a, b) in deq.iter().zip(&wf) {
-            assert!(
-                (a - b).abs() <= 0.5 * b.abs().max(0.0625) + 1e-6,
-                "quantised {a} vs {b}"
-            );
+            assert!((a - b).abs() <= 0.5 * b.abs().max(0.0625) + 1e-6, "quantised {a} vs {b}");
         }
         let m = Matrix::Mxfp4(mx);
         for tokens in [1, 3, 8] {
             let x = randn(&mut rng, tokens * cols);
             let mut out = vec![0f32; tokens * rows];
             m.matmul(&x, tokens, &mut out);
-            assert_close(
-                &out,
-                &reference(&deq, rows, cols, &x, tokens),
-                1e-4,
-                "mxfp4",
-            );
+            assert_close(&out, &reference(&deq, rows, cols, &x, tokens), 1e-4, "mxfp4");
         }
     }
 }
@@ -118,13 +101,7 @@ fn transposed_matvec_matches_reference() {
     let x = randn(&mut rng, rows);
     let mut out = vec![0f32; cols];
     Matrix::Bf16(Bf16Matrix::new(&bits, rows, cols)).matvec_transposed(&x, &mut out);
-    let want: Vec<f64> = (0..cols)
-        .map(|c| {
-            (0..rows)
-                .map(|r| wq[r * cols + c] as f64 * x[r] as f64)
-                .sum()
-        })
-        .collect();
+    let want: Vec<f64> = (0..cols).map(|c| (0..rows).map(|r| wq[r * cols + c] as f64 * x[r] as f64).sum()).collect();
     assert_close(&out, &want, 1e-5, "wt x");
 }
 
@@ -138,14 +115,7 @@ fn l2norm(v: &mut [f32]) {
 #[test]
 fn kda_chunked_prefill_equals_recurrence() {
     let mut rng = StdRng::seed_from_u64(5);
-    for &(tokens, dk, dv) in &[
-        (1, 8, 8),
-        (37, 16, 8),
-        (64, 16, 16),
-        (65, 8, 24),
-        (150, 32, 16),
-        (200, 128, 128),
-    ] {
+    for &(tokens, dk, dv) in &[(1, 8, 8), (37, 16, 8), (64, 16, 16), (65, 8, 24), (150, 32, 16), (200, 128, 128)] {
         let mut q = randn(&mut rng, tokens * dk);
         let mut k = randn(&mut rng, tokens * dk);
         for t in 0..tokens {
@@ -153,9 +123,7 @@ fn kda_chunked_prefill_equals_recurrence() {
             l2norm(&mut k[t * dk..(t + 1) * dk]);
         }
         let v = randn(&mut rng, tokens * dv);
-        let g: Vec<f32> = (0..tokens * dk)
-            .map(|_| -5.0 * rng.random_range(0.0f32..1.0))
-            .collect();
+        let g: Vec<f32> = (0..tokens * dk).map(|_| -5.0 * rng.random_range(0.0f32..1.0)).collect();
         let beta: Vec<f32> = (0..tokens).map(|_| rng.random_range(0.0f32..1.0)).collect();
         let s0 = randn(&mut rng, dk * dv);
 
@@ -175,20 +143,9 @@ fn kda_chunked_prefill_equals_recurrence() {
         let mut s_chunk = s0.clone();
         let mut o_chunk = vec![0f32; tokens * dv];
         kda_prefill(&mut s_chunk, &q, &k, &v, &g, &beta, &mut o_chunk, dk, dv);
-        let max_o = o_rec
-            .iter()
-            .zip(&o_chunk)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let max_s = s_rec
-            .iter()
-            .zip(&s_chunk)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            max_o < 1e-4 && max_s < 1e-4,
-            "T={tokens} K={dk} V={dv}: |ΔO|={max_o} |ΔS|={max_s}"
-        );
+        let max_o = o_rec.iter().zip(&o_chunk).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let max_s = s_rec.iter().zip(&s_chunk).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(max_o < 1e-4 && max_s < 1e-4, "T={tokens} K={dk} V={dv}: |ΔO|={max_o} |ΔS|={max_s}");
         assert!(o_rec.iter().all(|x| x.is_finite()));
     }
 }
@@ -223,5 +180,31 @@ fn forced_simd_level_is_respected() {
         Ok("scalar") => assert_eq!(simd_level(), SimdLevel::Scalar),
         Ok("avx2") => assert!(simd_level() <= SimdLevel::Avx2),
         _ => {}
+    }
+}
+
+#[test]
+fn row_reductions_match_plain_loops() {
+    use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
+    let mut rng = StdRng::seed_from_u64(11);
+    for n in [1usize, 15, 16, 17, 300, 163_840] {
+        let mut v: Vec<f32> = (0..n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
+        if n > 20 {
+            v[7] = f32::NAN;
+            v[9] = v[10]; // a tie
+        }
+        for t in [1.0f32, 0.7, 2.5] {
+            let m = v.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+            let want = m / t as f64
+                + v.iter().filter(|x| !x.is_nan()).map(|&x| ((x as f64 - m) / t as f64).exp()).sum::<f64>().ln();
+            let got = log_sum_exp(&v, t) as f64;
+            assert!((got - want).abs() < 1e-4 * want.abs().max(1.0), "n={n} t={t}: {got} vs {want}");
+        }
+        let mut all: Vec<(u32, f32)> =
+            v.iter().enumerate().filter(|(_, x)| !x.is_nan()).map(|(i, &x)| (i as u32, x)).collect();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for k in [1, 5, 256, n + 3] {
+            assert_eq!(top_k(&v, k), all[..k.min(all.len())].to_vec(), "n={n} k={k}");
+        }
     }
 }

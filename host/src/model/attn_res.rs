@@ -13,18 +13,10 @@ pub struct ResMix {
 }
 
 impl ResMix {
-    pub fn load(
-        src: &mut dyn TensorSource,
-        prefix: &str,
-        hidden: usize,
-        eps: f32,
-    ) -> Result<ResMix, ModelError> {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, hidden: usize, eps: f32) -> Result<ResMix, ModelError> {
         let norm = src.vector(&format!("{prefix}_norm.weight"), &[hidden])?;
         let proj = src.vector(&format!("{prefix}_proj.weight"), &[1, hidden])?;
-        Ok(ResMix {
-            query: norm.iter().zip(&proj).map(|(a, b)| a * b).collect(),
-            eps,
-        })
+        Ok(ResMix { query: norm.iter().zip(&proj).map(|(a, b)| a * b).collect(), eps })
     }
 
     /// Mixes candidates (each `[tokens, d]`), per token: Σᵢ softmaxᵢ(⟨Vᵢ/rms(Vᵢ), query⟩) · Vᵢ.

@@ -104,11 +104,7 @@ pub struct Checkpoint {
 /// Bytes of one tensor: borrowed from the map, or an owned copy when misaligned.
 #[derive(Clone)]
 pub enum TensorBytes {
-    Mapped {
-        map: Arc<Mmap>,
-        start: usize,
-        len: usize,
-    },
+    Mapped { map: Arc<Mmap>, start: usize, len: usize },
     Owned(Arc<Vec<u64>>, usize),
 }
 
@@ -127,13 +123,7 @@ impl TensorBytes {
     fn owned(bytes: &[u8]) -> TensorBytes {
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         // SAFETY: the destination holds at least bytes.len() bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                words.as_mut_ptr() as *mut u8,
-                bytes.len(),
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr() as *mut u8, bytes.len()) };
         TensorBytes::Owned(Arc::new(words), bytes.len())
     }
 }
@@ -144,17 +134,12 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
-            let map = parse_weight_map(&text).map_err(|msg| ModelError::Header {
-                path: index.display().to_string(),
-                msg,
-            })?;
+            let map =
+                parse_weight_map(&text).map_err(|msg| ModelError::Header { path: index.display().to_string(), msg })?;
             let mut files: Vec<String> = map.values().cloned().collect();
             files.sort();
             files.dedup();
-            let mut ck = Checkpoint {
-                shards: Vec::new(),
-                tensors: BTreeMap::new(),
-            };
+            let mut ck = Checkpoint { shards: Vec::new(), tensors: BTreeMap::new() };
             for f in &files {
                 ck.add_shard(&dir.join(f))?;
             }
@@ -185,10 +170,7 @@ impl Checkpoint {
                     ),
                 });
             }
-            let mut ck = Checkpoint {
-                shards: Vec::new(),
-                tensors: BTreeMap::new(),
-            };
+            let mut ck = Checkpoint { shards: Vec::new(), tensors: BTreeMap::new() };
             ck.add_shard(&single)?;
             Ok(ck)
         }
@@ -196,10 +178,7 @@ impl Checkpoint {
 
     /// Opens one safetensors file on its own (goldens, single shards).
     pub fn open_file(path: &Path) -> Result<Checkpoint, ModelError> {
-        let mut ck = Checkpoint {
-            shards: Vec::new(),
-            tensors: BTreeMap::new(),
-        };
+        let mut ck = Checkpoint { shards: Vec::new(), tensors: BTreeMap::new() };
         ck.add_shard(path)?;
         Ok(ck)
     }
@@ -210,25 +189,16 @@ impl Checkpoint {
         // we cannot detect, as with every mmap-based loader.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io(path, e))?;
         let p = path.display().to_string();
-        let bad = |msg: String| ModelError::Header {
-            path: p.clone(),
-            msg,
-        };
+        let bad = |msg: String| ModelError::Header { path: p.clone(), msg };
         if map.len() < 8 {
-            return Err(bad(format!(
-                "file has {} bytes, less than the 8-byte header length",
-                map.len()
-            )));
+            return Err(bad(format!("file has {} bytes, less than the 8-byte header length", map.len())));
         }
         let n = u64::from_le_bytes(map[..8].try_into().unwrap_or([0; 8])) as usize;
         if n > 100 << 20 || 8 + n > map.len() {
-            return Err(bad(format!(
-                "header length {n} does not fit in the file's {} bytes",
-                map.len()
-            )));
+            return Err(bad(format!("header length {n} does not fit in the file's {} bytes", map.len())));
         }
-        let header: HashMap<String, Value> = serde_json::from_slice(&map[8..8 + n])
-            .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+        let header: HashMap<String, Value> =
+            serde_json::from_slice(&map[8..8 + n]).map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
         let data_start = 8 + n;
         let shard = self.shards.len();
         for (name, entry) in header {
@@ -262,28 +232,11 @@ impl Checkpoint {
             }
             let (start, end) = (data_start + offs[0], data_start + offs[1]);
             if end > map.len() {
-                return Err(ModelError::Truncated {
-                    name,
-                    path: p.clone(),
-                    need: end as u64,
-                    have: map.len() as u64,
-                });
+                return Err(ModelError::Truncated { name, path: p.clone(), need: end as u64, have: map.len() as u64 });
             }
-            self.tensors.insert(
-                name,
-                TensorInfo {
-                    dtype,
-                    shape,
-                    shard,
-                    start,
-                    end,
-                },
-            );
+            self.tensors.insert(name, TensorInfo { dtype, shape, shard, start, end });
         }
-        self.shards.push(Shard {
-            path: path.to_path_buf(),
-            map: Arc::new(map),
-        });
+        self.shards.push(Shard { path: path.to_path_buf(), map: Arc::new(map) });
         Ok(())
     }
 
@@ -304,29 +257,11 @@ impl Checkpoint {
     }
 
     /// Looks a tensor up and checks its shape and dtype against what the model expects.
-    pub fn expect(
-        &self,
-        name: &str,
-        shape: &[usize],
-        dtypes: &[Dtype],
-    ) -> Result<&TensorInfo, ModelError> {
-        let info = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-            })?;
+    pub fn expect(&self, name: &str, shape: &[usize], dtypes: &[Dtype]) -> Result<&TensorInfo, ModelError> {
+        let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })?;
         if !dtypes.contains(&info.dtype) {
-            let expected = dtypes
-                .iter()
-                .map(|d| d.name())
-                .collect::<Vec<_>>()
-                .join(" or ");
-            return Err(ModelError::Dtype {
-                name: name.to_string(),
-                expected,
-                found: info.dtype.name().to_string(),
-            });
+            let expected = dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(" or ");
+            return Err(ModelError::Dtype { name: name.to_string(), expected, found: info.dtype.name().to_string() });
         }
         if info.shape != shape {
             return Err(ModelError::Shape {
@@ -344,11 +279,7 @@ impl Checkpoint {
         let len = info.end - info.start;
         let ptr = shard.map[info.start..].as_ptr() as usize;
         if ptr.is_multiple_of(info.dtype.size().max(1)) {
-            TensorBytes::Mapped {
-                map: shard.map.clone(),
-                start: info.start,
-                len,
-            }
+            TensorBytes::Mapped { map: shard.map.clone(), start: info.start, len }
         } else {
             TensorBytes::owned(&shard.map[info.start..info.end])
         }
@@ -358,22 +289,12 @@ impl Checkpoint {
     pub fn read_f32(&self, info: &TensorInfo) -> Vec<f32> {
         let b = &self.shards[info.shard].map[info.start..info.end];
         match info.dtype {
-            Dtype::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::Bf16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::F64 => b
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32)
-                .collect(),
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::Bf16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F64 => {
+                b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32).collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -381,9 +302,7 @@ impl Checkpoint {
     /// Little-endian i64 tensor (goldens store ids this way).
     pub fn read_i64(&self, info: &TensorInfo) -> Vec<i64> {
         let b = &self.shards[info.shard].map[info.start..info.end];
-        b.chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect()
+        b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()
     }
 
     /// Total tensor bytes by dtype.
@@ -399,22 +318,14 @@ impl Checkpoint {
 /// `weight_map` of a `model.safetensors.index.json`.
 pub fn parse_weight_map(text: &str) -> Result<BTreeMap<String, String>, String> {
     let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    let wm = v
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or("no `weight_map` object")?;
+    let wm = v.get("weight_map").and_then(Value::as_object).ok_or("no `weight_map` object")?;
     wm.iter()
         .map(|(k, f)| {
-            f.as_str()
-                .map(|f| (k.clone(), f.to_string()))
-                .ok_or_else(|| format!("`{k}` maps to a non-string"))
+            f.as_str().map(|f| (k.clone(), f.to_string())).ok_or_else(|| format!("`{k}` maps to a non-string"))
         })
         .collect()
 }
 
 fn io(path: &Path, e: std::io::Error) -> ModelError {
-    ModelError::Io {
-        path: path.display().to_string(),
-        source: e,
-    }
+    ModelError::Io { path: path.display().to_string(), source: e }
 }

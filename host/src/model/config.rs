@@ -85,9 +85,7 @@ pub struct ModelConfig {
 
 impl TextConfig {
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.num_experts > 0
-            && i >= self.first_k_dense_replace
-            && i.is_multiple_of(self.moe_layer_freq)
+        self.num_experts > 0 && i >= self.first_k_dense_replace && i.is_multiple_of(self.moe_layer_freq)
     }
 
     pub fn mla_qk_head_dim(&self) -> usize {
@@ -104,36 +102,26 @@ impl TextConfig {
     }
 
     pub fn num_kda_layers(&self) -> usize {
-        self.layer_kinds
-            .iter()
-            .filter(|k| **k == MixerKind::Kda)
-            .count()
+        self.layer_kinds.iter().filter(|k| **k == MixerKind::Kda).count()
     }
 
     pub fn num_mla_layers(&self) -> usize {
-        self.layer_kinds
-            .iter()
-            .filter(|k| **k == MixerKind::Mla)
-            .count()
+        self.layer_kinds.iter().filter(|k| **k == MixerKind::Mla).count()
     }
 }
 
 /// Reads `<dir>/config.json`.
 pub fn load_config(dir: &Path) -> Result<ModelConfig, ModelError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Io {
-        path: path.display().to_string(),
-        source: e,
-    })?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| ModelError::Io { path: path.display().to_string(), source: e })?;
     parse_config(&text)
 }
 
 pub fn parse_config(text: &str) -> Result<ModelConfig, ModelError> {
-    let root: Value = serde_json::from_str(text)
-        .map_err(|e| ModelError::config("config.json", format!("not valid JSON: {e}")))?;
-    let root = root
-        .as_object()
-        .ok_or_else(|| ModelError::config("config.json", "not a JSON object"))?;
+    let root: Value =
+        serde_json::from_str(text).map_err(|e| ModelError::config("config.json", format!("not valid JSON: {e}")))?;
+    let root = root.as_object().ok_or_else(|| ModelError::config("config.json", "not a JSON object"))?;
     let model_type = get_str(root, "", "model_type")?;
     if model_type != "kimi_k3" {
         return Err(ModelError::Unsupported(format!(
@@ -143,12 +131,7 @@ pub fn parse_config(text: &str) -> Result<ModelConfig, ModelError> {
     let text = root
         .get("text_config")
         .and_then(Value::as_object)
-        .ok_or_else(|| {
-            ModelError::config(
-                "text_config",
-                "missing (kimi_k3 keeps the text tower under text_config)",
-            )
-        })?;
+        .ok_or_else(|| ModelError::config("text_config", "missing (kimi_k3 keeps the text tower under text_config)"))?;
     let tc = parse_text(text)?;
     Ok(ModelConfig {
         text: tc,
@@ -169,18 +152,14 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
         match o.get(key) {
             None | Some(Value::Null) => Ok(()),
             Some(v) if v.as_str() == Some(want) => Ok(()),
-            Some(v) => Err(ModelError::Unsupported(format!(
-                "{P}{key} = {v} is not implemented (supported: {want})"
-            ))),
+            Some(v) => Err(ModelError::Unsupported(format!("{P}{key} = {v} is not implemented (supported: {want})"))),
         }
     };
     refuse_unless("hidden_act", "situ")?;
     refuse_unless("moe_router_activation_func", "sigmoid")?;
     refuse_unless("topk_method", "noaux_tc")?;
     if get_bool(o, P, "mla_use_nope")? == Some(false) {
-        return Err(ModelError::Unsupported(format!(
-            "{P}mla_use_nope = false (rotary MLA) is not implemented"
-        )));
+        return Err(ModelError::Unsupported(format!("{P}mla_use_nope = false (rotary MLA) is not implemented")));
     }
     if let Some(groups) = opt_usize(o, P, "num_expert_group")?
         && groups > 1
@@ -199,25 +178,20 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
     let kda_layers = get_index_list(lac, L, "kda_layers")?;
     let full_layers = get_index_list(lac, L, "full_attn_layers")?;
     let mut layer_kinds = vec![None; num_layers];
-    for (list, kind, key) in [
-        (&kda_layers, MixerKind::Kda, "kda_layers"),
-        (&full_layers, MixerKind::Mla, "full_attn_layers"),
-    ] {
+    for (list, kind, key) in
+        [(&kda_layers, MixerKind::Kda, "kda_layers"), (&full_layers, MixerKind::Mla, "full_attn_layers")]
+    {
         for &one_based in list {
             if one_based == 0 || one_based > num_layers {
                 return Err(ModelError::config(
                     &format!("{L}{key}"),
-                    format!(
-                        "layer {one_based} is outside 1..={num_layers} (the lists are 1-indexed)"
-                    ),
+                    format!("layer {one_based} is outside 1..={num_layers} (the lists are 1-indexed)"),
                 ));
             }
             if layer_kinds[one_based - 1].replace(kind).is_some() {
                 return Err(ModelError::config(
                     &format!("{L}{key}"),
-                    format!(
-                        "layer {one_based} is listed twice (or in both kda_layers and full_attn_layers)"
-                    ),
+                    format!("layer {one_based} is listed twice (or in both kda_layers and full_attn_layers)"),
                 ));
             }
         }
@@ -229,10 +203,7 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
             k.ok_or_else(|| {
                 ModelError::config(
                     &format!("{L}kda_layers"),
-                    format!(
-                        "layer {} (1-indexed) is in neither kda_layers nor full_attn_layers",
-                        i + 1
-                    ),
+                    format!("layer {} (1-indexed) is in neither kda_layers nor full_attn_layers", i + 1),
                 )
             })
         })
@@ -246,31 +217,17 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
         full_rank_gate: get_bool(lac, L, "use_full_rank_gate")?.unwrap_or(false),
     };
     if kda.conv_kernel < 1 {
-        return Err(ModelError::config(
-            &format!("{L}short_conv_kernel_size"),
-            "must be at least 1",
-        ));
+        return Err(ModelError::config(&format!("{L}short_conv_kernel_size"), "must be at least 1"));
     }
 
     let idx_keys = ["index_n_heads", "index_head_dim", "index_topk"];
-    let idx_vals = idx_keys
-        .iter()
-        .map(|k| opt_usize(o, P, k))
-        .collect::<Result<Vec<_>, _>>()?;
+    let idx_vals = idx_keys.iter().map(|k| opt_usize(o, P, k)).collect::<Result<Vec<_>, _>>()?;
     let indexer = match (idx_vals[0], idx_vals[1], idx_vals[2]) {
         (None, None, None) => None,
-        (Some(n_heads), Some(head_dim), Some(topk)) => Some(IndexerConfig {
-            n_heads,
-            head_dim,
-            topk,
-        }),
+        (Some(n_heads), Some(head_dim), Some(topk)) => Some(IndexerConfig { n_heads, head_dim, topk }),
         _ => {
-            let missing = idx_keys
-                .iter()
-                .zip(&idx_vals)
-                .find(|(_, v)| v.is_none())
-                .map(|(k, _)| *k)
-                .unwrap_or("index_topk");
+            let missing =
+                idx_keys.iter().zip(&idx_vals).find(|(_, v)| v.is_none()).map(|(k, _)| *k).unwrap_or("index_topk");
             return Err(ModelError::config(
                 &format!("{P}{missing}"),
                 "missing: the K3.1 indexer needs index_n_heads, index_head_dim and index_topk together",
@@ -339,10 +296,7 @@ fn check_consistency(c: &TextConfig) -> Result<(), ModelError> {
     ];
     for (k, v) in nonzero {
         if v == 0 {
-            return Err(ModelError::config(
-                &format!("text_config.{k}"),
-                "must be positive",
-            ));
+            return Err(ModelError::config(&format!("text_config.{k}"), "must be positive"));
         }
     }
     if c.num_mla_layers() > 0 {
@@ -353,35 +307,23 @@ fn check_consistency(c: &TextConfig) -> Result<(), ModelError> {
             ("v_head_dim", c.v_head_dim),
         ] {
             if v == 0 {
-                return Err(ModelError::config(
-                    &format!("text_config.{k}"),
-                    "must be positive",
-                ));
+                return Err(ModelError::config(&format!("text_config.{k}"), "must be positive"));
             }
         }
     }
     if c.num_experts > 0 && (c.experts_per_token == 0 || c.experts_per_token > c.num_experts) {
         return Err(ModelError::config(
             "text_config.num_experts_per_token",
-            format!(
-                "{} is not in 1..={} (num_experts)",
-                c.experts_per_token, c.num_experts
-            ),
+            format!("{} is not in 1..={} (num_experts)", c.experts_per_token, c.num_experts),
         ));
     }
     if let Some(ix) = &c.indexer
         && (ix.n_heads == 0 || ix.head_dim == 0 || ix.topk == 0)
     {
-        return Err(ModelError::config(
-            "text_config.index_topk",
-            "indexer sizes must be positive",
-        ));
+        return Err(ModelError::config("text_config.index_topk", "indexer sizes must be positive"));
     }
-    for (k, v) in [
-        ("bos_token_id", c.bos_token_id),
-        ("eos_token_id", c.eos_token_id),
-        ("pad_token_id", c.pad_token_id),
-    ] {
+    for (k, v) in [("bos_token_id", c.bos_token_id), ("eos_token_id", c.eos_token_id), ("pad_token_id", c.pad_token_id)]
+    {
         if let Some(id) = v
             && id as usize >= c.vocab_size
         {
@@ -402,19 +344,14 @@ fn get<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a Value, M
 }
 
 fn get_str<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a str, ModelError> {
-    get(o, p, key)?
-        .as_str()
-        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), "must be a string"))
+    get(o, p, key)?.as_str().ok_or_else(|| ModelError::config(&format!("{p}{key}"), "must be a string"))
 }
 
 fn get_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<usize, ModelError> {
     let v = get(o, p, key)?;
-    v.as_u64().map(|n| n as usize).ok_or_else(|| {
-        ModelError::config(
-            &format!("{p}{key}"),
-            format!("must be a non-negative integer, found {v}"),
-        )
-    })
+    v.as_u64()
+        .map(|n| n as usize)
+        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be a non-negative integer, found {v}")))
 }
 
 fn opt_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<usize>, ModelError> {
@@ -427,17 +364,15 @@ fn opt_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<usize>
 fn opt_u32(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<u32>, ModelError> {
     match opt_usize(o, p, key)? {
         None => Ok(None),
-        Some(n) => u32::try_from(n)
-            .map(Some)
-            .map_err(|_| ModelError::config(&format!("{p}{key}"), "out of range")),
+        Some(n) => u32::try_from(n).map(Some).map_err(|_| ModelError::config(&format!("{p}{key}"), "out of range")),
     }
 }
 
 fn get_f32(o: &Map<String, Value>, p: &str, key: &str) -> Result<f32, ModelError> {
     let v = get(o, p, key)?;
-    v.as_f64().map(|x| x as f32).ok_or_else(|| {
-        ModelError::config(&format!("{p}{key}"), format!("must be a number, found {v}"))
-    })
+    v.as_f64()
+        .map(|x| x as f32)
+        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be a number, found {v}")))
 }
 
 fn opt_f32(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<f32>, ModelError> {
@@ -450,28 +385,23 @@ fn opt_f32(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<f32>, Mo
 fn get_bool(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<bool>, ModelError> {
     match o.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_bool().map(Some).ok_or_else(|| {
-            ModelError::config(
-                &format!("{p}{key}"),
-                format!("must be true or false, found {v}"),
-            )
-        }),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be true or false, found {v}"))),
     }
 }
 
 fn get_index_list(o: &Map<String, Value>, p: &str, key: &str) -> Result<Vec<usize>, ModelError> {
     let v = get(o, p, key)?;
-    let arr = v.as_array().ok_or_else(|| {
-        ModelError::config(
-            &format!("{p}{key}"),
-            "must be a list of 1-indexed layer numbers",
-        )
-    })?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), "must be a list of 1-indexed layer numbers"))?;
     arr.iter()
         .map(|x| {
-            x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                ModelError::config(&format!("{p}{key}"), format!("{x} is not a layer number"))
-            })
+            x.as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("{x} is not a layer number")))
         })
         .collect()
 }

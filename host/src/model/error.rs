@@ -20,26 +20,11 @@ pub enum ModelError {
     #[error("tensor `{name}` is missing from the checkpoint")]
     MissingTensor { name: String },
     #[error("tensor `{name}`: expected shape {expected:?}, found {found:?}")]
-    Shape {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
+    Shape { name: String, expected: Vec<usize>, found: Vec<usize> },
     #[error("tensor `{name}`: expected dtype {expected}, found {found}")]
-    Dtype {
-        name: String,
-        expected: String,
-        found: String,
-    },
-    #[error(
-        "tensor `{name}` in {path}: needs bytes up to {need} but the file has {have} (truncated file?)"
-    )]
-    Truncated {
-        name: String,
-        path: String,
-        need: u64,
-        have: u64,
-    },
+    Dtype { name: String, expected: String, found: String },
+    #[error("tensor `{name}` in {path}: needs bytes up to {need} but the file has {have} (truncated file?)")]
+    Truncated { name: String, path: String, need: u64, have: u64 },
     #[error("token id {id} is out of range for vocab size {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("sequence of {len} tokens exceeds max_position_embeddings {max}")]
@@ -48,9 +33,6 @@ pub enum ModelError {
 
 impl ModelError {
     pub fn config(key: &str, msg: impl Into<String>) -> Self {
-        ModelError::Config {
-            key: key.to_string(),
-            msg: msg.into(),
-        }
+        ModelError::Config { key: key.to_string(), msg: msg.into() }
     }
 }

@@ -98,29 +98,13 @@ impl Model {
             } else {
                 Ffn::Dense(Mlp::load(src, &format!("{p}.mlp"), d, c.intermediate_size)?)
             };
-            layers.push(DecoderLayer {
-                input_norm,
-                post_norm,
-                attn_res,
-                mlp_res,
-                mixer,
-                ffn,
-            });
+            layers.push(DecoderLayer { input_norm, post_norm, attn_res, mlp_res, mixer, ffn });
         }
         let output_res = ResMix::load(src, &m("output_attn_res"), d, c.rms_norm_eps)?;
         let norm = src.vector(&m("norm.weight"), &[d])?;
         let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
         let situ = Situ::from_config(c);
-        Ok(Model {
-            config,
-            embed,
-            layers,
-            output_res,
-            norm,
-            lm_head,
-            situ,
-            _checkpoint: None,
-        })
+        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, _checkpoint: None })
     }
 
     pub fn text_config(&self) -> &TextConfig {
@@ -150,10 +134,7 @@ impl Model {
             return Err(ModelError::TokenOutOfRange { id, vocab: v });
         }
         if state.len + tokens > c.max_position_embeddings {
-            return Err(ModelError::TooLong {
-                len: state.len + tokens,
-                max: c.max_position_embeddings,
-            });
+            return Err(ModelError::TooLong { len: state.len + tokens, max: c.max_position_embeddings });
         }
         let shape = [tokens, d];
         let emb_m = self.embed.m();
@@ -211,17 +192,9 @@ impl Model {
                             &[tokens, r.top_k],
                             r.ids.iter().map(|&x| x as i64).collect(),
                         );
-                        tr.f32(
-                            format!("layer{i}.router.topk_weights"),
-                            &[tokens, r.top_k],
-                            &r.weights,
-                        );
+                        tr.f32(format!("layer{i}.router.topk_weights"), &[tokens, r.top_k], &r.weights);
                         tr.f32(format!("layer{i}.router.scores"), &[tokens, e], &r.scores);
-                        tr.f32(
-                            format!("layer{i}.router.selection_margin"),
-                            &[tokens],
-                            &r.margins,
-                        );
+                        tr.f32(format!("layer{i}.router.selection_margin"), &[tokens], &r.margins);
                     }
                     y
                 }
@@ -241,9 +214,7 @@ impl Model {
         }
         state.len += tokens;
 
-        let final_mix = self
-            .output_res
-            .mix(&candidates(&blocks, partial.as_ref()), tokens);
+        let final_mix = self.output_res.mix(&candidates(&blocks, partial.as_ref()), tokens);
         let hidden = rms_norm(&final_mix, &self.norm, c.rms_norm_eps);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
@@ -261,21 +232,11 @@ impl Model {
 }
 
 fn candidates<'a>(blocks: &'a [Vec<f32>], partial: Option<&'a Vec<f32>>) -> Vec<&'a [f32]> {
-    blocks
-        .iter()
-        .map(|b| b.as_slice())
-        .chain(partial.map(|p| p.as_slice()))
-        .collect()
+    blocks.iter().map(|b| b.as_slice()).chain(partial.map(|p| p.as_slice())).collect()
 }
 
 /// `index.layer{i}.selected [T, topk]` (ascending, −1 padded) and `.scores [T, start+T]`.
-fn record_selection(
-    tr: &mut Trace,
-    layer: usize,
-    sel: &[super::indexer::Selection],
-    topk: usize,
-    start: usize,
-) {
+fn record_selection(tr: &mut Trace, layer: usize, sel: &[super::indexer::Selection], topk: usize, start: usize) {
     let tokens = sel.len();
     let total = start + tokens;
     let mut ids = vec![-1i64; tokens * topk];
@@ -287,11 +248,7 @@ fn record_selection(
         scores[t * total..t * total + s.scores.len()].copy_from_slice(&s.scores);
     }
     tr.i64(format!("index.layer{layer}.selected"), &[tokens, topk], ids);
-    tr.f32(
-        format!("index.layer{layer}.scores"),
-        &[tokens, total],
-        &scores,
-    );
+    tr.f32(format!("index.layer{layer}.scores"), &[tokens, total], &scores);
     let margins: Vec<f32> = sel.iter().map(|s| s.margin).collect();
     tr.f32(format!("index.layer{layer}.margin"), &[tokens], &margins);
 }

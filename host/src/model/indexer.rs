@@ -50,12 +50,7 @@ impl Indexer {
 
     /// Keys LayerNorm(wk x) for `tokens` new rows of the MLA input `x`, `[tokens, d_I]`.
     pub fn keys(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        layer_norm(
-            &self.wk.matmul(x, tokens),
-            &self.k_norm_w,
-            &self.k_norm_b,
-            1e-6,
-        )
+        layer_norm(&self.wk.matmul(x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
     }
 
     /// Selections for `tokens` queries at absolute positions `start..start+tokens`; `keys(s)` must
@@ -83,8 +78,7 @@ impl Indexer {
                         let ks = key(s);
                         (0..h)
                             .map(|j| {
-                                let dotp =
-                                    kimi_kernels::cpu::simd::dot(&qt[j * d..(j + 1) * d], ks);
+                                let dotp = kimi_kernels::cpu::simd::dot(&qt[j * d..(j + 1) * d], ks);
                                 w[t * h + j] * wscale * dotp.max(0.0)
                             })
                             .sum()
@@ -99,11 +93,7 @@ impl Indexer {
                     order.truncate(k);
                     order.sort_unstable();
                 }
-                Selection {
-                    tokens: order,
-                    scores,
-                    margin,
-                }
+                Selection { tokens: order, scores, margin }
             })
             .collect()
     }

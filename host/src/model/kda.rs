@@ -41,11 +41,7 @@ pub struct KdaLayer {
 }
 
 impl KdaLayer {
-    pub fn load(
-        src: &mut dyn TensorSource,
-        prefix: &str,
-        c: &TextConfig,
-    ) -> Result<KdaLayer, ModelError> {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<KdaLayer, ModelError> {
         let d = c.hidden_size;
         let (h, k, w) = (c.kda.num_heads, c.kda.head_dim, c.kda.conv_kernel);
         let p = h * k;
@@ -53,10 +49,7 @@ impl KdaLayer {
         let gate = if c.kda.full_rank_gate {
             OutputGate::Full(src.matrix(&n("g_proj.weight"), p, d)?)
         } else {
-            OutputGate::LowRank(
-                src.matrix(&n("g_a_proj.weight"), k, d)?,
-                src.matrix(&n("g_b_proj.weight"), p, k)?,
-            )
+            OutputGate::LowRank(src.matrix(&n("g_a_proj.weight"), k, d)?, src.matrix(&n("g_b_proj.weight"), p, k)?)
         };
         // A_log ships padded to max(H, head_dim) entries (the release: [128] for 96 heads); the
         // gate is per head, so the padding must be exactly zero.
@@ -72,11 +65,7 @@ impl KdaLayer {
             ));
         }
         let mut conv = |s: &str| -> Result<Vec<f32>, ModelError> { src.vector(&n(s), &[p, 1, w]) };
-        let conv = [
-            conv("q_conv1d.weight")?,
-            conv("k_conv1d.weight")?,
-            conv("v_conv1d.weight")?,
-        ];
+        let conv = [conv("q_conv1d.weight")?, conv("k_conv1d.weight")?, conv("v_conv1d.weight")?];
         Ok(KdaLayer {
             q_proj: src.matrix(&n("q_proj.weight"), p, d)?,
             k_proj: src.matrix(&n("k_proj.weight"), p, d)?,
@@ -102,11 +91,8 @@ impl KdaLayer {
     pub fn forward(&self, x: &[f32], tokens: usize, state: &mut KdaState) -> Vec<f32> {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
-        let mut branches = [
-            self.q_proj.matmul(x, tokens),
-            self.k_proj.matmul(x, tokens),
-            self.v_proj.matmul(x, tokens),
-        ];
+        let mut branches =
+            [self.q_proj.matmul(x, tokens), self.k_proj.matmul(x, tokens), self.v_proj.matmul(x, tokens)];
         for (b, raw) in branches.iter_mut().enumerate() {
             *raw = self.short_conv(raw, tokens, &self.conv[b], state.conv_frames_mut(b));
         }
@@ -141,8 +127,7 @@ impl KdaLayer {
                     vh[dst.clone()].copy_from_slice(&v[src.clone()]);
                     for j in 0..k {
                         let c = hh * k + j;
-                        gh[t * k + j] =
-                            lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
+                        gh[t * k + j] = lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
                     }
                     bh[t] = sigmoid(beta_logits[t * h + hh]);
                 }

@@ -35,19 +35,9 @@ pub struct MlaLayer {
 }
 
 impl MlaLayer {
-    pub fn load(
-        src: &mut dyn TensorSource,
-        prefix: &str,
-        c: &TextConfig,
-    ) -> Result<MlaLayer, ModelError> {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MlaLayer, ModelError> {
         let d = c.hidden_size;
-        let (h, dn, dr, dv, r) = (
-            c.mla_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
+        let (h, dn, dr, dv, r) = (c.mla_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
         let n = |s: &str| format!("{prefix}.{s}");
         let indexer = match &c.indexer {
             Some(ic) => Some(Indexer::load(src, &n("indexer"), ic, d, c.q_lora_rank)?),
@@ -60,11 +50,7 @@ impl MlaLayer {
             kv_a: src.matrix(&n("kv_a_proj_with_mqa.weight"), r + dr, d)?,
             kv_a_norm: src.vector(&n("kv_a_layernorm.weight"), &[r])?,
             kv_b: src.matrix(&n("kv_b_proj.weight"), h * (dn + dv), r)?,
-            g_proj: if c.mla_output_gate {
-                Some(src.matrix(&n("g_proj.weight"), h * dv, d)?)
-            } else {
-                None
-            },
+            g_proj: if c.mla_output_gate { Some(src.matrix(&n("g_proj.weight"), h * dv, d)?) } else { None },
             o_proj: src.matrix(&n("o_proj.weight"), d, h * dv)?,
             indexer,
             heads: h,
@@ -77,12 +63,7 @@ impl MlaLayer {
 
     /// x: `[tokens, d]` (post `input_layernorm`). Appends `tokens` rows to `cache` and returns the
     /// layer output and, for K3.1, the indexer's selections.
-    pub fn forward(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        cache: &mut LatentCache,
-    ) -> (Vec<f32>, Option<Vec<Selection>>) {
+    pub fn forward(&self, x: &[f32], tokens: usize, cache: &mut LatentCache) -> (Vec<f32>, Option<Vec<Selection>>) {
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let width = r + dr;
         let start = cache.len();
@@ -92,9 +73,7 @@ impl MlaLayer {
         let kv = self.kv_a.matmul(x, tokens);
         for t in 0..tokens {
             let row = &kv[t * width..(t + 1) * width];
-            cache
-                .rows
-                .extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
+            cache.rows.extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
             cache.rows.extend_from_slice(&row[r..]);
         }
 
@@ -116,8 +95,7 @@ impl MlaLayer {
                 let mut qabs = vec![0f32; width];
                 let mut scores = Vec::new();
                 for t in 0..tokens {
-                    let qt = &q[t * h * (dn + dr) + hh * (dn + dr)
-                        ..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
+                    let qt = &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
                     w_uk.matvec_transposed(&qt[..dn], &mut qabs[..r]);
                     qabs[r..].copy_from_slice(&qt[dn..]);
                     let pos = start + t;
@@ -151,8 +129,7 @@ impl MlaLayer {
         let mut o = vec![0f32; tokens * h * dv];
         for (hh, oh) in heads.iter().enumerate() {
             for t in 0..tokens {
-                o[t * h * dv + hh * dv..t * h * dv + (hh + 1) * dv]
-                    .copy_from_slice(&oh[t * dv..(t + 1) * dv]);
+                o[t * h * dv + hh * dv..t * h * dv + (hh + 1) * dv].copy_from_slice(&oh[t * dv..(t + 1) * dv]);
             }
         }
         if let Some(g) = &self.g_proj {

@@ -14,10 +14,7 @@ pub struct Situ {
 
 impl Situ {
     pub fn from_config(c: &TextConfig) -> Situ {
-        Situ {
-            beta: c.situ_beta,
-            linear_beta: c.situ_linear_beta,
-        }
+        Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta }
     }
 
     /// [β·tanh(a/β)·σ(a)] · [β_lin·tanh(u/β_lin)]; σ sees the uncapped gate.
@@ -46,12 +43,7 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(
-        src: &mut dyn TensorSource,
-        prefix: &str,
-        hidden: usize,
-        inter: usize,
-    ) -> Result<Mlp, ModelError> {
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp, ModelError> {
         Ok(Mlp {
             gate: src.matrix(&format!("{prefix}.gate_proj.weight"), inter, hidden)?,
             up: src.matrix(&format!("{prefix}.up_proj.weight"), inter, hidden)?,

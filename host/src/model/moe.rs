@@ -42,17 +42,8 @@ pub struct Routing {
 }
 
 impl MoeLayer {
-    pub fn load(
-        src: &mut dyn TensorSource,
-        prefix: &str,
-        c: &TextConfig,
-    ) -> Result<MoeLayer, ModelError> {
-        let (d, e, lat, inter) = (
-            c.hidden_size,
-            c.num_experts,
-            c.routed_expert_hidden_size,
-            c.moe_intermediate_size,
-        );
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MoeLayer, ModelError> {
+        let (d, e, lat, inter) = (c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size);
         let n = |s: &str| format!("{prefix}.{s}");
         let experts = (0..e)
             .map(|i| {
@@ -64,12 +55,7 @@ impl MoeLayer {
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let shared = if c.num_shared_experts > 0 {
-            Some(Mlp::load(
-                src,
-                &n("shared_experts"),
-                d,
-                inter * c.num_shared_experts,
-            )?)
+            Some(Mlp::load(src, &n("shared_experts"), d, inter * c.num_shared_experts)?)
         } else {
             None
         };
@@ -78,11 +64,7 @@ impl MoeLayer {
             bias: src.vector(&n("gate.e_score_correction_bias"), &[e])?,
             down: src.matrix(&n("routed_expert_down_proj.weight"), lat, d)?,
             up: src.matrix(&n("routed_expert_up_proj.weight"), d, lat)?,
-            norm: if c.latent_moe_norm {
-                Some(src.vector(&n("routed_expert_norm.weight"), &[lat])?)
-            } else {
-                None
-            },
+            norm: if c.latent_moe_norm { Some(src.vector(&n("routed_expert_norm.weight"), &[lat])?) } else { None },
             experts,
             shared,
             top_k: c.experts_per_token,
@@ -94,12 +76,7 @@ impl MoeLayer {
 
     pub fn route(&self, x: &[f32], tokens: usize) -> Routing {
         let e = self.bias.len();
-        let scores: Vec<f32> = self
-            .gate
-            .matmul(x, tokens)
-            .into_iter()
-            .map(sigmoid)
-            .collect();
+        let scores: Vec<f32> = self.gate.matmul(x, tokens).into_iter().map(sigmoid).collect();
         let mut ids = Vec::with_capacity(tokens * self.top_k);
         let mut weights = Vec::with_capacity(tokens * self.top_k);
         let mut margins = Vec::with_capacity(tokens);
@@ -108,11 +85,7 @@ impl MoeLayer {
             let sel: Vec<f32> = s.iter().zip(&self.bias).map(|(a, b)| a + b).collect();
             let mut order: Vec<usize> = (0..e).collect();
             order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
-            margins.push(if self.top_k < e {
-                sel[order[self.top_k - 1]] - sel[order[self.top_k]]
-            } else {
-                f32::NAN
-            });
+            margins.push(if self.top_k < e { sel[order[self.top_k - 1]] - sel[order[self.top_k]] } else { f32::NAN });
             order.truncate(self.top_k);
             let sum: f32 = order.iter().map(|&i| s[i]).sum::<f32>() + 1e-20;
             for &i in &order {
@@ -121,13 +94,7 @@ impl MoeLayer {
             }
             ids.extend(order);
         }
-        Routing {
-            ids,
-            weights,
-            scores,
-            margins,
-            top_k: self.top_k,
-        }
+        Routing { ids, weights, scores, margins, top_k: self.top_k }
     }
 
     /// x: `[tokens, d]` (post `post_attention_layernorm`).
@@ -144,9 +111,7 @@ impl MoeLayer {
                 by_expert[routing.ids[k]].push((t, routing.weights[k]));
             }
         }
-        let active: Vec<usize> = (0..self.experts.len())
-            .filter(|&e| !by_expert[e].is_empty())
-            .collect();
+        let active: Vec<usize> = (0..self.experts.len()).filter(|&e| !by_expert[e].is_empty()).collect();
         let partials: Vec<(usize, Vec<f32>)> = active
             .par_iter()
             .map(|&e| {
@@ -167,11 +132,7 @@ impl MoeLayer {
         let mut y_lat = vec![0f32; tokens * lat];
         for (e, out) in &partials {
             for (i, &(t, w)) in by_expert[*e].iter().enumerate() {
-                kimi_kernels::cpu::simd::axpy(
-                    w,
-                    &out[i * lat..(i + 1) * lat],
-                    &mut y_lat[t * lat..(t + 1) * lat],
-                );
+                kimi_kernels::cpu::simd::axpy(w, &out[i * lat..(i + 1) * lat], &mut y_lat[t * lat..(t + 1) * lat]);
             }
         }
         if let Some(nw) = &self.norm {

@@ -127,21 +127,13 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
     let mut logical: Vec<(String, Vec<usize>, bool)> = Vec::new();
     for t in &rec.tensors {
         if let Some(base) = t.name.strip_suffix(".weight_packed") {
-            logical.push((
-                format!("{base}.weight"),
-                vec![t.shape[0], t.shape[1] * 2],
-                true,
-            ));
+            logical.push((format!("{base}.weight"), vec![t.shape[0], t.shape[1] * 2], true));
         } else if !t.name.ends_with(".weight_scale") {
             logical.push((t.name.clone(), t.shape.clone(), false));
         }
     }
     logical.sort();
-    let dtypes: HashMap<&str, Dtype> = rec
-        .tensors
-        .iter()
-        .map(|t| (t.name.as_str(), t.dtype))
-        .collect();
+    let dtypes: HashMap<&str, Dtype> = rec.tensors.iter().map(|t| (t.name.as_str(), t.dtype)).collect();
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let mut buffers: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape, packed) in &logical {
@@ -158,26 +150,13 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
                 );
             }
             let base = name.trim_end_matches(".weight");
-            buffers.push((
-                format!("{base}.weight_packed"),
-                StDtype::U8,
-                vec![rows, cols / 2],
-                p,
-            ));
-            buffers.push((
-                format!("{base}.weight_scale"),
-                StDtype::U8,
-                vec![rows, cols / 32],
-                s,
-            ));
+            buffers.push((format!("{base}.weight_packed"), StDtype::U8, vec![rows, cols / 2], p));
+            buffers.push((format!("{base}.weight_scale"), StDtype::U8, vec![rows, cols / 32], s));
         } else if dtypes.get(name.as_str()) == Some(&Dtype::F32) {
             let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             buffers.push((name.clone(), StDtype::F32, shape.clone(), bytes));
         } else {
-            let bytes = values
-                .iter()
-                .flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes())
-                .collect();
+            let bytes = values.iter().flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes()).collect();
             buffers.push((name.clone(), StDtype::BF16, shape.clone(), bytes));
         }
     }
@@ -187,17 +166,12 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
         .map(|(n, d, s, b)| {
             TensorView::new(*d, s.clone(), b)
                 .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::Header {
-                    path: out.display().to_string(),
-                    msg: format!("{n}: {e}"),
-                })
+                .map_err(|e| ModelError::Header { path: out.display().to_string(), msg: format!("{n}: {e}") })
         })
         .collect::<Result<_, _>>()?;
     let path = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| ModelError::Header {
-        path: path.display().to_string(),
-        msg: e.to_string(),
-    })?;
+    safetensors::serialize_to_file(views, None, &path)
+        .map_err(|e| ModelError::Header { path: path.display().to_string(), msg: e.to_string() })?;
     crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))?;
     let cfg_path = out.join("config.json");
     let text = serde_json::to_string_pretty(&config_json).unwrap_or_default();
@@ -209,21 +183,11 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
 fn init_values(rng: &mut StdRng, name: &str, shape: &[usize], kda_heads: usize) -> Vec<f32> {
     let n: usize = shape.iter().product();
     let mut normal = |scale: f32, shift: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| shift + scale * rng.sample::<f32, _>(StandardNormal))
-            .collect()
+        (0..n).map(|_| shift + scale * rng.sample::<f32, _>(StandardNormal)).collect()
     };
     if name.ends_with("A_log") {
         // log U(1, 16) per head; the padding stays zero.
-        return (0..n)
-            .map(|i| {
-                if i < kda_heads {
-                    rng.random_range(1.0f32..16.0).ln()
-                } else {
-                    0.0
-                }
-            })
-            .collect();
+        return (0..n).map(|i| if i < kda_heads { rng.random_range(1.0f32..16.0).ln() } else { 0.0 }).collect();
     }
     if name.ends_with("dt_bias") {
         return normal(0.5, 0.0);
@@ -248,8 +212,5 @@ fn init_values(rng: &mut StdRng, name: &str, shape: &[usize], kda_heads: usize) 
 }
 
 fn io(path: &Path, e: std::io::Error) -> ModelError {
-    ModelError::Io {
-        path: path.display().to_string(),
-        source: e,
-    }
+    ModelError::Io { path: path.display().to_string(), source: e }
 }

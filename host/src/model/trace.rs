@@ -16,23 +16,11 @@ pub struct Trace {
 
 impl Trace {
     pub fn f32(&mut self, name: impl Into<String>, shape: &[usize], data: &[f32]) {
-        self.tensors.insert(
-            name.into(),
-            TraceTensor::F32 {
-                shape: shape.to_vec(),
-                data: data.to_vec(),
-            },
-        );
+        self.tensors.insert(name.into(), TraceTensor::F32 { shape: shape.to_vec(), data: data.to_vec() });
     }
 
     pub fn i64(&mut self, name: impl Into<String>, shape: &[usize], data: Vec<i64>) {
-        self.tensors.insert(
-            name.into(),
-            TraceTensor::I64 {
-                shape: shape.to_vec(),
-                data,
-            },
-        );
+        self.tensors.insert(name.into(), TraceTensor::I64 { shape: shape.to_vec(), data });
     }
 
     pub fn get_f32(&self, name: &str) -> Option<&[f32]> {

@@ -35,29 +35,18 @@ impl Weight {
             WeightStore::Bf16(b) => {
                 let bytes = b.bytes();
                 // SAFETY: the checkpoint loader guarantees 2-byte alignment (or copied the bytes).
-                let data = unsafe {
-                    std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2)
-                };
+                let data = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2) };
                 Matrix::Bf16(Bf16Matrix::new(data, self.rows, self.cols))
             }
             WeightStore::F32(b) => {
                 let bytes = b.bytes();
                 // SAFETY: 4-byte alignment as above.
-                let data = unsafe {
-                    std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4)
-                };
-                Matrix::F32(F32Matrix {
-                    data,
-                    rows: self.rows,
-                    cols: self.cols,
-                })
+                let data = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) };
+                Matrix::F32(F32Matrix { data, rows: self.rows, cols: self.cols })
             }
-            WeightStore::Mxfp4 { packed, scales } => Matrix::Mxfp4(Mxfp4Matrix::new(
-                packed.bytes(),
-                scales.bytes(),
-                self.rows,
-                self.cols,
-            )),
+            WeightStore::Mxfp4 { packed, scales } => {
+                Matrix::Mxfp4(Mxfp4Matrix::new(packed.bytes(), scales.bytes(), self.rows, self.cols))
+            }
             WeightStore::Absent => panic!("weight placeholder from NameRecorder used for compute"),
         }
     }
@@ -80,8 +69,7 @@ pub trait TensorSource {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError>;
     /// A routed-expert matrix `<base>.weight` (BF16/F32) or `<base>.weight_packed` +
     /// `<base>.weight_scale` (MXFP4), decided by which names the checkpoint has.
-    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize)
-    -> Result<Weight, ModelError>;
+    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError>;
     /// A small tensor of the given shape, widened to f32.
     fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError>;
 }
@@ -94,24 +82,13 @@ pub struct CheckpointSource<'a> {
 
 impl TensorSource for CheckpointSource<'_> {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
-        let info = self
-            .ck
-            .expect(name, &[rows, cols], &[Dtype::Bf16, Dtype::F32])?;
+        let info = self.ck.expect(name, &[rows, cols], &[Dtype::Bf16, Dtype::F32])?;
         let bytes = self.ck.bytes(info);
-        let store = if info.dtype == Dtype::Bf16 {
-            WeightStore::Bf16(bytes)
-        } else {
-            WeightStore::F32(bytes)
-        };
+        let store = if info.dtype == Dtype::Bf16 { WeightStore::Bf16(bytes) } else { WeightStore::F32(bytes) };
         Ok(Weight { rows, cols, store })
     }
 
-    fn expert_matrix(
-        &mut self,
-        base: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Weight, ModelError> {
+    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
         let packed_name = format!("{base}.weight_packed");
         if !self.ck.contains(&packed_name) {
             return self.matrix(&format!("{base}.weight"), rows, cols);
@@ -123,22 +100,9 @@ impl TensorSource for CheckpointSource<'_> {
                 found: vec![rows, cols / 2],
             });
         }
-        let p = self
-            .ck
-            .expect(&packed_name, &[rows, cols / 2], &[Dtype::U8])?;
-        let s = self.ck.expect(
-            &format!("{base}.weight_scale"),
-            &[rows, cols / 32],
-            &[Dtype::U8],
-        )?;
-        Ok(Weight {
-            rows,
-            cols,
-            store: WeightStore::Mxfp4 {
-                packed: self.ck.bytes(p),
-                scales: self.ck.bytes(s),
-            },
-        })
+        let p = self.ck.expect(&packed_name, &[rows, cols / 2], &[Dtype::U8])?;
+        let s = self.ck.expect(&format!("{base}.weight_scale"), &[rows, cols / 32], &[Dtype::U8])?;
+        Ok(Weight { rows, cols, store: WeightStore::Mxfp4 { packed: self.ck.bytes(p), scales: self.ck.bytes(s) } })
     }
 
     fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
@@ -168,20 +132,11 @@ pub struct NameRecorder<'p> {
 
 impl<'p> NameRecorder<'p> {
     pub fn new(packed: impl Fn(&str) -> bool + 'p) -> Self {
-        NameRecorder {
-            tensors: Vec::new(),
-            packed: Box::new(packed),
-        }
+        NameRecorder { tensors: Vec::new(), packed: Box::new(packed) }
     }
 
     fn push(&mut self, name: String, shape: Vec<usize>, params: u64, bytes: u64, dtype: Dtype) {
-        self.tensors.push(RecordedTensor {
-            name,
-            shape,
-            params,
-            bytes,
-            dtype,
-        });
+        self.tensors.push(RecordedTensor { name, shape, params, bytes, dtype });
     }
 }
 
@@ -189,40 +144,15 @@ impl TensorSource for NameRecorder<'_> {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
         let n = (rows * cols) as u64;
         self.push(name.to_string(), vec![rows, cols], n, 2 * n, Dtype::Bf16);
-        Ok(Weight {
-            rows,
-            cols,
-            store: WeightStore::Absent,
-        })
+        Ok(Weight { rows, cols, store: WeightStore::Absent })
     }
 
-    fn expert_matrix(
-        &mut self,
-        base: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Weight, ModelError> {
+    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
         if (self.packed)(base) {
             let n = (rows * cols) as u64;
-            self.push(
-                format!("{base}.weight_packed"),
-                vec![rows, cols / 2],
-                n,
-                n / 2,
-                Dtype::U8,
-            );
-            self.push(
-                format!("{base}.weight_scale"),
-                vec![rows, cols / 32],
-                0,
-                n / 32,
-                Dtype::U8,
-            );
-            Ok(Weight {
-                rows,
-                cols,
-                store: WeightStore::Absent,
-            })
+            self.push(format!("{base}.weight_packed"), vec![rows, cols / 2], n, n / 2, Dtype::U8);
+            self.push(format!("{base}.weight_scale"), vec![rows, cols / 32], 0, n / 32, Dtype::U8);
+            Ok(Weight { rows, cols, store: WeightStore::Absent })
         } else {
             self.matrix(&format!("{base}.weight"), rows, cols)
         }
@@ -231,18 +161,9 @@ impl TensorSource for NameRecorder<'_> {
     fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let n: usize = shape.iter().product();
         // The release stores 2-D `*_res_proj` [1, d] in BF16; the 1-D and conv tensors in F32.
-        let (bytes, dtype) = if name.ends_with("_res_proj.weight") {
-            (2 * n, Dtype::Bf16)
-        } else {
-            (4 * n, Dtype::F32)
-        };
-        self.push(
-            name.to_string(),
-            shape.to_vec(),
-            n as u64,
-            bytes as u64,
-            dtype,
-        );
+        let (bytes, dtype) =
+            if name.ends_with("_res_proj.weight") { (2 * n, Dtype::Bf16) } else { (4 * n, Dtype::F32) };
+        self.push(name.to_string(), shape.to_vec(), n as u64, bytes as u64, dtype);
         Ok(vec![0.0; n])
     }
 }

@@ -2,18 +2,9 @@
 
 /// `builtin:<name>` → component bytes.
 pub const BUILTINS: &[(&str, &[u8])] = &[
-    (
-        "sampler-standard",
-        include_bytes!(concat!(env!("OUT_DIR"), "/sampler_standard.wasm")),
-    ),
-    (
-        "policy-limits",
-        include_bytes!(concat!(env!("OUT_DIR"), "/policy_limits.wasm")),
-    ),
-    (
-        "policy-kimi-vendor",
-        include_bytes!(concat!(env!("OUT_DIR"), "/policy_kimi_vendor.wasm")),
-    ),
+    ("sampler-standard", include_bytes!(concat!(env!("OUT_DIR"), "/sampler_standard.wasm"))),
+    ("policy-limits", include_bytes!(concat!(env!("OUT_DIR"), "/policy_limits.wasm"))),
+    ("policy-kimi-vendor", include_bytes!(concat!(env!("OUT_DIR"), "/policy_kimi_vendor.wasm"))),
 ];
 
 /// Test-only component that misbehaves on request (loops, hoards memory, panics, bad ids).

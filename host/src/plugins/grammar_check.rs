@@ -10,12 +10,8 @@ pub fn validate(c: &Constraint) -> Option<String> {
             Ok(_) => Some("a JSON schema must be an object or a boolean".into()),
             Err(e) => Some(format!("JSON schema is not valid JSON: {e}")),
         },
-        Constraint::Regex(r) => regex::Regex::new(r)
-            .err()
-            .map(|e| format!("invalid regex: {e}")),
-        Constraint::Choice(options) => options
-            .is_empty()
-            .then(|| "choice needs at least one option".into()),
+        Constraint::Regex(r) => regex::Regex::new(r).err().map(|e| format!("invalid regex: {e}")),
+        Constraint::Choice(options) => options.is_empty().then(|| "choice needs at least one option".into()),
         Constraint::Lark(g) => g.trim().is_empty().then(|| "empty Lark grammar".into()),
     }
 }

@@ -24,8 +24,7 @@ pub struct PluginHealth {
 impl PluginHealth {
     pub fn record_call(&self, d: Duration) {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        self.call_nanos
-            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        self.call_nanos.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Counts a failure; returns true if the plugin is now disabled.
@@ -40,10 +39,7 @@ impl PluginHealth {
         let mut q = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         q.push_back(now);
-        while q
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > STRIKE_WINDOW)
-        {
+        while q.front().is_some_and(|t| now.duration_since(*t) > STRIKE_WINDOW) {
             q.pop_front();
         }
         if q.len() >= STRIKES {
@@ -59,9 +55,6 @@ impl PluginHealth {
     /// Re-enables (an operator action, or a new upload of the plugin).
     pub fn reset(&self) {
         self.disabled.store(false, Ordering::Relaxed);
-        self.recent
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.recent.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }

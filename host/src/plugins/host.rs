@@ -24,11 +24,7 @@ impl PluginEnv {
     /// An environment from a tokenizer: vocab = its size, stop token `<|end_of_msg|>`.
     pub fn from_tokenizer(tok: Arc<Tokenizer>, vocab_size: u32) -> PluginEnv {
         let eos = tok.special_id("<|end_of_msg|>").into_iter().collect();
-        PluginEnv {
-            vocab_size,
-            eos_tokens: eos,
-            tokenizer: Some(tok),
-        }
+        PluginEnv { vocab_size, eos_tokens: eos, tokenizer: Some(tok) }
     }
 }
 
@@ -59,9 +55,7 @@ impl TenantServices {
     pub fn kv_get(&self, key: &str) -> Option<(Vec<u8>, u64)> {
         let mut m = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        if m.get(key)
-            .is_some_and(|e| e.expires.is_some_and(|t| t <= now))
-        {
+        if m.get(key).is_some_and(|e| e.expires.is_some_and(|t| t <= now)) {
             m.remove(key);
         }
         m.get(key).map(|e| (e.value.clone(), e.version))
@@ -73,9 +67,7 @@ impl TenantServices {
         }
         let mut m = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        if m.get(key)
-            .is_some_and(|e| e.expires.is_some_and(|t| t <= now))
-        {
+        if m.get(key).is_some_and(|e| e.expires.is_some_and(|t| t <= now)) {
             m.remove(key);
         }
         let current = m.get(key).map(|e| e.version);
@@ -86,31 +78,15 @@ impl TenantServices {
             return false;
         }
         let expires = (ttl_ms > 0).then(|| now + Duration::from_millis(ttl_ms as u64));
-        m.insert(
-            key.to_string(),
-            KvEntry {
-                value,
-                version: current.map_or(1, |v| v + 1),
-                expires,
-            },
-        );
+        m.insert(key.to_string(), KvEntry { value, version: current.map_or(1, |v| v + 1), expires });
         true
     }
 
     /// Token bucket: Ok, or milliseconds until `amount` is available.
-    pub fn try_acquire(
-        &self,
-        name: &str,
-        amount: u32,
-        per_second: f64,
-        burst: u32,
-    ) -> Result<(), u64> {
+    pub fn try_acquire(&self, name: &str, amount: u32, per_second: f64, burst: u32) -> Result<(), u64> {
         let mut m = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        let b = m.entry(name.to_string()).or_insert(Bucket {
-            tokens: burst as f64,
-            last: now,
-        });
+        let b = m.entry(name.to_string()).or_insert(Bucket { tokens: burst as f64, last: now });
         let rate = per_second.max(0.0);
         b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(burst as f64);
         b.last = now;
@@ -143,6 +119,8 @@ pub struct StepLogits;
 #[derive(Default)]
 pub struct StepView {
     rows: Vec<(usize, usize)>,
+    /// Per-row stats computed once by the host for this step.
+    stats: Vec<types::LogitStats>,
     full_access: bool,
 }
 
@@ -152,23 +130,24 @@ unsafe impl Send for StepView {}
 impl StepView {
     /// # Safety
     /// The rows must stay alive and unmodified until [`StepView::clear`].
-    pub unsafe fn set(&mut self, rows: &[&[f32]], full_access: bool) {
-        self.rows = rows
-            .iter()
-            .map(|r| (r.as_ptr() as usize, r.len()))
-            .collect();
+    pub unsafe fn set(&mut self, rows: &[&[f32]], stats: Vec<types::LogitStats>, full_access: bool) {
+        self.rows = rows.iter().map(|r| (r.as_ptr() as usize, r.len())).collect();
+        self.stats = stats;
         self.full_access = full_access;
     }
 
     pub fn clear(&mut self) {
         self.rows.clear();
+        self.stats.clear();
+    }
+
+    fn stats(&self, i: u32) -> Option<types::LogitStats> {
+        self.stats.get(i as usize).copied()
     }
 
     fn row(&self, i: u32) -> wasmtime::Result<&[f32]> {
-        let &(p, n) = self
-            .rows
-            .get(i as usize)
-            .ok_or_else(|| wasmtime::format_err!("step-logits row {i} out of range"))?;
+        let &(p, n) =
+            self.rows.get(i as usize).ok_or_else(|| wasmtime::format_err!("step-logits row {i} out of range"))?;
         // SAFETY: see `set`.
         Ok(unsafe { std::slice::from_raw_parts(p as *const f32, n) })
     }
@@ -208,21 +187,11 @@ impl HostState {
 }
 
 impl ResourceLimiter for HostState {
-    fn memory_growing(
-        &mut self,
-        current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         self.limits.memory_growing(current, desired, maximum)
     }
 
-    fn table_growing(
-        &mut self,
-        current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         self.limits.table_growing(current, desired, maximum)
     }
 
@@ -269,11 +238,7 @@ impl log::Host for HostState {
 impl metrics::Host for HostState {
     fn counter_add(&mut self, name: String, value: u64) -> wasmtime::Result<()> {
         let key = format!("{}:{name}", self.plugin);
-        let mut m = self
-            .tenant
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut m = self.tenant.metrics.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() < 1000 || m.contains_key(&key) {
             *m.entry(key).or_default() += value as f64;
         }
@@ -282,11 +247,7 @@ impl metrics::Host for HostState {
 
     fn observe(&mut self, name: String, value: f64) -> wasmtime::Result<()> {
         let key = format!("{}:{name}", self.plugin);
-        let mut m = self
-            .tenant
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut m = self.tenant.metrics.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() < 1000 || m.contains_key(&key) {
             m.insert(key, value);
         }
@@ -304,45 +265,26 @@ impl tokenizer::Host for HostState {
     }
 
     fn special_id(&mut self, name: String) -> wasmtime::Result<Option<u32>> {
-        Ok(self
-            .env
-            .tokenizer
-            .as_ref()
-            .and_then(|t| t.special_id(&name)))
+        Ok(self.env.tokenizer.as_ref().and_then(|t| t.special_id(&name)))
     }
 
     fn token_bytes(&mut self, ids: Vec<u32>) -> wasmtime::Result<Vec<Vec<u8>>> {
         Ok(ids
             .iter()
             .map(|&i| {
-                self.env
-                    .tokenizer
-                    .as_ref()
-                    .and_then(|t| t.token_bytes(i))
-                    .map(<[u8]>::to_vec)
-                    .unwrap_or_default()
+                self.env.tokenizer.as_ref().and_then(|t| t.token_bytes(i)).map(<[u8]>::to_vec).unwrap_or_default()
             })
             .collect())
     }
 
     fn encode(&mut self, text: String) -> wasmtime::Result<Vec<u32>> {
-        Ok(self
-            .env
-            .tokenizer
-            .as_ref()
-            .map(|t| t.encode_text(&text))
-            .unwrap_or_default())
+        Ok(self.env.tokenizer.as_ref().map(|t| t.encode_text(&text)).unwrap_or_default())
     }
 
     fn decode(&mut self, ids: Vec<u32>) -> wasmtime::Result<String> {
         Ok(match &self.env.tokenizer {
             Some(t) => {
-                let bytes: Vec<u8> = ids
-                    .iter()
-                    .filter_map(|&i| t.token_bytes(i))
-                    .flatten()
-                    .copied()
-                    .collect();
+                let bytes: Vec<u8> = ids.iter().filter_map(|&i| t.token_bytes(i)).flatten().copied().collect();
                 String::from_utf8_lossy(&bytes).into_owned()
             }
             None => String::new(),
@@ -351,18 +293,9 @@ impl tokenizer::Host for HostState {
 }
 
 fn stats_of(row: &[f32]) -> types::LogitStats {
-    let mut argmax = 0usize;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[argmax] || row[argmax].is_nan() {
-            argmax = i;
-        }
-    }
-    let max = row.get(argmax).copied().unwrap_or(f32::NEG_INFINITY);
-    types::LogitStats {
-        max_logit: max,
-        log_sum_exp: kimi_sampling_core::log_sum_exp(row, 1.0),
-        argmax: argmax as u32,
-    }
+    use kimi_kernels::cpu::reduce;
+    let (argmax, max) = reduce::argmax(row);
+    types::LogitStats { max_logit: max, log_sum_exp: reduce::log_sum_exp_with_max(row, max, 1.0), argmax }
 }
 
 /// Stats of a logits row as the `logit-stats` record.
@@ -378,48 +311,35 @@ impl logits::HostStepLogits for HostState {
     }
 
     fn stats(&mut self, _s: Resource<StepLogits>, row: u32) -> wasmtime::Result<types::LogitStats> {
-        Ok(stats_of(self.step.row(row)?))
+        match self.step.stats(row) {
+            Some(s) => Ok(s),
+            None => Ok(stats_of(self.step.row(row)?)),
+        }
     }
 
-    fn log_sum_exp(
-        &mut self,
-        _s: Resource<StepLogits>,
-        row: u32,
-        temperature: f32,
-    ) -> wasmtime::Result<f32> {
-        if !(temperature > 0.0) {
+    fn log_sum_exp(&mut self, _s: Resource<StepLogits>, row: u32, temperature: f32) -> wasmtime::Result<f32> {
+        if temperature.is_nan() || temperature <= 0.0 {
             wasmtime::bail!("log-sum-exp: temperature must be > 0");
         }
-        Ok(kimi_sampling_core::log_sum_exp(
-            self.step.row(row)?,
-            temperature,
-        ))
+        let r = self.step.row(row)?;
+        Ok(match self.step.stats(row) {
+            Some(s) if temperature == 1.0 => s.log_sum_exp,
+            Some(s) => kimi_kernels::cpu::reduce::log_sum_exp_with_max(r, s.max_logit, temperature),
+            None => kimi_kernels::cpu::reduce::log_sum_exp(r, temperature),
+        })
     }
 
-    fn top_k(
-        &mut self,
-        _s: Resource<StepLogits>,
-        row: u32,
-        k: u32,
-    ) -> wasmtime::Result<Vec<types::Candidate>> {
+    fn top_k(&mut self, _s: Resource<StepLogits>, row: u32, k: u32) -> wasmtime::Result<Vec<types::Candidate>> {
         let r = self.step.row(row)?;
-        Ok(kimi_sampling_core::top_k(r, k as usize)
+        Ok(kimi_kernels::cpu::reduce::top_k(r, k as usize)
             .into_iter()
             .map(|(token, logit)| types::Candidate { token, logit })
             .collect())
     }
 
-    fn gather(
-        &mut self,
-        _s: Resource<StepLogits>,
-        row: u32,
-        ids: Vec<u32>,
-    ) -> wasmtime::Result<Vec<f32>> {
+    fn gather(&mut self, _s: Resource<StepLogits>, row: u32, ids: Vec<u32>) -> wasmtime::Result<Vec<f32>> {
         let r = self.step.row(row)?;
-        Ok(ids
-            .iter()
-            .map(|&i| r.get(i as usize).copied().unwrap_or(f32::NAN))
-            .collect())
+        Ok(ids.iter().map(|&i| r.get(i as usize).copied().unwrap_or(f32::NAN)).collect())
     }
 
     fn masked_argmax(
@@ -437,17 +357,9 @@ impl logits::HostStepLogits for HostState {
         Ok(best.map(|(token, logit)| types::Candidate { token, logit }))
     }
 
-    fn read(
-        &mut self,
-        _s: Resource<StepLogits>,
-        row: u32,
-        start: u32,
-        len: u32,
-    ) -> wasmtime::Result<Vec<f32>> {
+    fn read(&mut self, _s: Resource<StepLogits>, row: u32, start: u32, len: u32) -> wasmtime::Result<Vec<f32>> {
         if !self.step.full_access {
-            wasmtime::bail!(
-                "step-logits.read: this plugin did not ask for full logits in `describe`"
-            );
+            wasmtime::bail!("step-logits.read: this plugin did not ask for full logits in `describe`");
         }
         let r = self.step.row(row)?;
         let s = (start as usize).min(r.len());
@@ -502,8 +414,6 @@ impl rate_limit::Host for HostState {
 
 impl clock::Host for HostState {
     fn now_ms(&mut self) -> wasmtime::Result<u64> {
-        Ok(SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64))
+        Ok(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64))
     }
 }

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::bindings::host::kimi::host::types::PluginError as GuestError;
-pub use super::bindings::policy::exports::kimi::host::policy_plugin::{
-    Admission, Rejection, RequestMeta,
-};
+pub use super::bindings::policy::exports::kimi::host::policy_plugin::{Admission, Rejection, RequestMeta};
 use super::bindings::policy::{Policy, PolicyPre};
 use super::error::PluginError;
 use super::health::PluginHealth;
@@ -24,10 +22,7 @@ pub struct PolicyPlugin {
 }
 
 impl PolicyPlugin {
-    pub fn new(
-        runtime: Arc<PluginRuntime>,
-        compiled: &CompiledPlugin,
-    ) -> Result<PolicyPlugin, PluginError> {
+    pub fn new(runtime: Arc<PluginRuntime>, compiled: &CompiledPlugin) -> Result<PolicyPlugin, PluginError> {
         if compiled.kind != PluginKind::Policy {
             return Err(PluginError::Rejected {
                 plugin: compiled.name.clone(),
@@ -35,13 +30,9 @@ impl PolicyPlugin {
             });
         }
         let linker = runtime.linker(PluginKind::Policy, &compiled.component)?;
-        let pre =
-            linker
-                .instantiate_pre(&compiled.component)
-                .map_err(|e| PluginError::Rejected {
-                    plugin: compiled.name.clone(),
-                    reason: format!("{e:#}"),
-                })?;
+        let pre = linker
+            .instantiate_pre(&compiled.component)
+            .map_err(|e| PluginError::Rejected { plugin: compiled.name.clone(), reason: format!("{e:#}") })?;
         let pre = PolicyPre::new(pre).map_err(|e| PluginError::Rejected {
             plugin: compiled.name.clone(),
             reason: format!("does not match the policy world: {e:#}"),
@@ -68,19 +59,11 @@ impl PolicyPlugin {
         f: impl FnOnce(&Policy, &mut wasmtime::Store<HostState>) -> wasmtime::Result<T>,
     ) -> Result<T, PluginError> {
         if self.health.is_disabled() {
-            return Err(PluginError::Disabled {
-                plugin: self.name.clone(),
-            });
+            return Err(PluginError::Disabled { plugin: self.name.clone() });
         }
         let t = Instant::now();
-        let mut store = self.runtime.store(
-            PluginKind::Policy,
-            self.limits,
-            env.clone(),
-            services.clone(),
-            tenant,
-            &self.name,
-        );
+        let mut store =
+            self.runtime.store(PluginKind::Policy, self.limits, env.clone(), services.clone(), tenant, &self.name);
         let r = self.pre.instantiate(&mut store).and_then(|p| {
             set_deadline(&mut store, self.limits.call);
             f(&p, &mut store)
@@ -88,8 +71,7 @@ impl PolicyPlugin {
         self.health.record_call(t.elapsed());
         r.map_err(|e| {
             let e = call_error(&self.name, &self.limits, e);
-            self.health
-                .record_failure(true, matches!(e, PluginError::Timeout { .. }));
+            self.health.record_failure(true, matches!(e, PluginError::Timeout { .. }));
             e
         })
     }
@@ -104,19 +86,14 @@ impl PolicyPlugin {
         meta: &RequestMeta,
         body_json: &str,
     ) -> Result<Admission, PluginError> {
-        let r = self.run(env, services, tenant, |p, s| {
-            p.kimi_host_policy_plugin()
-                .call_admit(s, config, meta, body_json)
-        })?;
+        let r =
+            self.run(env, services, tenant, |p, s| p.kimi_host_policy_plugin().call_admit(s, config, meta, body_json))?;
         r.map_err(|e| {
             let msg = match e {
                 GuestError::BadConfig(m) => format!("bad configuration: {m}"),
                 GuestError::Unsupported(m) | GuestError::Rejected(m) | GuestError::Internal(m) => m,
             };
-            PluginError::Guest {
-                plugin: self.name.clone(),
-                msg,
-            }
+            PluginError::Guest { plugin: self.name.clone(), msg }
         })
     }
 
@@ -133,13 +110,7 @@ impl PolicyPlugin {
         completion_tokens: u32,
     ) -> Result<(), PluginError> {
         self.run(env, services, tenant, |p, s| {
-            p.kimi_host_policy_plugin().call_on_complete(
-                s,
-                config,
-                meta,
-                prompt_tokens,
-                completion_tokens,
-            )
+            p.kimi_host_policy_plugin().call_on_complete(s, config, meta, prompt_tokens, completion_tokens)
         })
     }
 }

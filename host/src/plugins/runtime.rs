@@ -10,9 +10,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, StoreLimitsBuilder,
-};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, StoreLimitsBuilder};
 
 use super::bindings::host::kimi::host as imports;
 use super::error::PluginError;
@@ -42,12 +40,8 @@ pub struct KindLimits {
 }
 
 impl PluginKind {
-    pub const ALL: [PluginKind; 4] = [
-        PluginKind::Sampler,
-        PluginKind::Grammar,
-        PluginKind::Template,
-        PluginKind::Policy,
-    ];
+    pub const ALL: [PluginKind; 4] =
+        [PluginKind::Sampler, PluginKind::Grammar, PluginKind::Template, PluginKind::Policy];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -81,26 +75,10 @@ impl PluginKind {
     pub fn default_limits(self) -> KindLimits {
         let ms = Duration::from_millis;
         match self {
-            PluginKind::Sampler => KindLimits {
-                memory_bytes: 64 << 20,
-                call: ms(50),
-                init: ms(1000),
-            },
-            PluginKind::Grammar => KindLimits {
-                memory_bytes: 128 << 20,
-                call: ms(100),
-                init: ms(2000),
-            },
-            PluginKind::Template => KindLimits {
-                memory_bytes: 128 << 20,
-                call: ms(200),
-                init: ms(2000),
-            },
-            PluginKind::Policy => KindLimits {
-                memory_bytes: 128 << 20,
-                call: ms(100),
-                init: ms(2000),
-            },
+            PluginKind::Sampler => KindLimits { memory_bytes: 64 << 20, call: ms(50), init: ms(1000) },
+            PluginKind::Grammar => KindLimits { memory_bytes: 128 << 20, call: ms(100), init: ms(2000) },
+            PluginKind::Template => KindLimits { memory_bytes: 128 << 20, call: ms(200), init: ms(2000) },
+            PluginKind::Policy => KindLimits { memory_bytes: 128 << 20, call: ms(100), init: ms(2000) },
         }
     }
 }
@@ -121,10 +99,7 @@ pub struct RuntimeOptions {
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        RuntimeOptions {
-            pooling: true,
-            cache_dir: default_cache_dir(),
-        }
+        RuntimeOptions { pooling: true, cache_dir: default_cache_dir() }
     }
 }
 
@@ -193,8 +168,7 @@ impl PluginRuntime {
                 .max_core_instance_size(16 << 20);
             config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         }
-        let engine = Engine::new(&config)
-            .map_err(|e| PluginError::Runtime(format!("wasmtime engine: {e:#}")))?;
+        let engine = Engine::new(&config).map_err(|e| PluginError::Runtime(format!("wasmtime engine: {e:#}")))?;
         let mut h = std::collections::hash_map::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut h);
         let compat = format!("{:016x}", h.finish());
@@ -212,12 +186,7 @@ impl PluginRuntime {
                 })
                 .map_err(|e| PluginError::Runtime(format!("epoch ticker: {e}")))?;
         }
-        Ok(Arc::new(PluginRuntime {
-            engine,
-            options,
-            compat,
-            stop,
-        }))
+        Ok(Arc::new(PluginRuntime { engine, options, compat, stop }))
     }
 
     pub fn engine(&self) -> &Engine {
@@ -245,10 +214,7 @@ impl PluginRuntime {
         CheckReport {
             sha256,
             kind: verdict.as_ref().ok().copied(),
-            world: verdict
-                .as_ref()
-                .ok()
-                .map(|k| format!("kimi:host/{}@{VERSION}", k.name())),
+            world: verdict.as_ref().ok().map(|k| format!("kimi:host/{}@{VERSION}", k.name())),
             imports,
             exports,
             verdict: verdict.map(|_| ()),
@@ -257,14 +223,8 @@ impl PluginRuntime {
 
     fn interface_names(&self, component: &Component) -> (Vec<String>, Vec<String>) {
         let ty = component.component_type();
-        let imports = ty
-            .imports(&self.engine)
-            .map(|(n, _)| n.to_string())
-            .collect();
-        let exports = ty
-            .exports(&self.engine)
-            .map(|(n, _)| n.to_string())
-            .collect();
+        let imports = ty.imports(&self.engine).map(|(n, _)| n.to_string()).collect();
+        let exports = ty.exports(&self.engine).map(|(n, _)| n.to_string()).collect();
         (imports, exports)
     }
 
@@ -273,31 +233,13 @@ impl PluginRuntime {
         let sha256 = hex(&Sha256::digest(bytes));
         let component = self.compile_cached(name, bytes, &sha256)?;
         let (imports, exports) = self.interface_names(&component);
-        let kind = classify(&imports, &exports).map_err(|reason| PluginError::Rejected {
-            plugin: name.to_string(),
-            reason,
-        })?;
-        Ok(CompiledPlugin {
-            name: name.to_string(),
-            kind,
-            component,
-            sha256,
-            imports,
-            exports,
-        })
+        let kind = classify(&imports, &exports)
+            .map_err(|reason| PluginError::Rejected { plugin: name.to_string(), reason })?;
+        Ok(CompiledPlugin { name: name.to_string(), kind, component, sha256, imports, exports })
     }
 
-    fn compile_cached(
-        &self,
-        name: &str,
-        bytes: &[u8],
-        sha256: &str,
-    ) -> Result<Component, PluginError> {
-        let cached = self
-            .options
-            .cache_dir
-            .as_ref()
-            .map(|d| d.join(format!("{sha256}-{}.cwasm", self.compat)));
+    fn compile_cached(&self, name: &str, bytes: &[u8], sha256: &str) -> Result<Component, PluginError> {
+        let cached = self.options.cache_dir.as_ref().map(|d| d.join(format!("{sha256}-{}.cwasm", self.compat)));
         if let Some(path) = &cached
             && path.exists()
         {
@@ -319,48 +261,27 @@ impl PluginRuntime {
     }
 
     /// A linker with this kind's host imports; the std-only WASI imports trap if called.
-    pub fn linker(
-        &self,
-        kind: PluginKind,
-        component: &Component,
-    ) -> Result<Linker<HostState>, PluginError> {
+    pub fn linker(&self, kind: PluginKind, component: &Component) -> Result<Linker<HostState>, PluginError> {
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         let err = |e: wasmtime::Error| PluginError::Runtime(format!("linking host imports: {e:#}"));
         type H = HasSelf<HostState>;
         for iface in kind.imports() {
             match *iface {
-                "types" => imports::types::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                    .map_err(err)?,
-                "log" => {
-                    imports::log::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?
-                }
-                "metrics" => imports::metrics::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                    .map_err(err)?,
-                "tokenizer" => {
-                    imports::tokenizer::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                        .map_err(err)?
-                }
-                "logits" => imports::logits::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                    .map_err(err)?,
+                "types" => imports::types::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "log" => imports::log::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "metrics" => imports::metrics::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "tokenizer" => imports::tokenizer::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "logits" => imports::logits::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
                 "grammar-engine" => {
-                    imports::grammar_engine::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                        .map_err(err)?
+                    imports::grammar_engine::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?
                 }
-                "kv" => {
-                    imports::kv::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?
-                }
-                "rate-limit" => {
-                    imports::rate_limit::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                        .map_err(err)?
-                }
-                "clock" => imports::clock::add_to_linker::<HostState, H>(&mut linker, |s| s)
-                    .map_err(err)?,
+                "kv" => imports::kv::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "rate-limit" => imports::rate_limit::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
+                "clock" => imports::clock::add_to_linker::<HostState, H>(&mut linker, |s| s).map_err(err)?,
                 _ => {}
             }
         }
-        linker
-            .define_unknown_imports_as_traps(component)
-            .map_err(err)?;
+        linker.define_unknown_imports_as_traps(component).map_err(err)?;
         Ok(linker)
     }
 
@@ -381,10 +302,7 @@ impl PluginRuntime {
             .memories(16)
             .tables(32)
             .build();
-        let mut store = Store::new(
-            &self.engine,
-            HostState::new(env, tenant, tenant_name, plugin, store_limits),
-        );
+        let mut store = Store::new(&self.engine, HostState::new(env, tenant, tenant_name, plugin, store_limits));
         store.limiter(|s| s);
         store.epoch_deadline_trap();
         set_deadline(&mut store, limits.init);
@@ -403,40 +321,25 @@ pub fn set_deadline(store: &mut Store<HostState>, d: Duration) {
 /// them), except the std-only WASI stubs.
 fn classify(imports: &[String], exports: &[String]) -> Result<PluginKind, String> {
     let iface = |imp: &str| -> Option<String> {
-        imp.strip_prefix("kimi:host/")
-            .and_then(|r| r.strip_suffix(&format!("@{VERSION}")))
-            .map(str::to_string)
+        imp.strip_prefix("kimi:host/").and_then(|r| r.strip_suffix(&format!("@{VERSION}"))).map(str::to_string)
     };
     // Imports first: anything outside our package (but the std-only stubs) is refused by name.
     for imp in imports {
         if TRAP_STUB_PREFIXES.iter().any(|p| imp.starts_with(p)) {
             continue;
         }
-        let known = iface(imp).is_some_and(|i| {
-            PluginKind::ALL
-                .iter()
-                .any(|k| k.imports().contains(&i.as_str()))
-        });
+        let known = iface(imp).is_some_and(|i| PluginKind::ALL.iter().any(|k| k.imports().contains(&i.as_str())));
         if !known {
-            return Err(format!(
-                "import `{imp}` is not allowed (plugins may import only kimi:host/*@{VERSION})"
-            ));
+            return Err(format!("import `{imp}` is not allowed (plugins may import only kimi:host/*@{VERSION})"));
         }
     }
-    let kinds: Vec<PluginKind> = PluginKind::ALL
-        .into_iter()
-        .filter(|k| exports.contains(&k.export()))
-        .collect();
+    let kinds: Vec<PluginKind> = PluginKind::ALL.into_iter().filter(|k| exports.contains(&k.export())).collect();
     let kind = match kinds.as_slice() {
         [k] => *k,
         [] => {
             return Err(format!(
                 "exports none of the plugin interfaces ({}); found exports: [{}]",
-                PluginKind::ALL
-                    .iter()
-                    .map(|k| k.export())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                PluginKind::ALL.iter().map(|k| k.export()).collect::<Vec<_>>().join(", "),
                 exports.join(", ")
             ));
         }
@@ -446,10 +349,7 @@ fn classify(imports: &[String], exports: &[String]) -> Result<PluginKind, String
         if let Some(i) = iface(imp)
             && !kind.imports().contains(&i.as_str())
         {
-            return Err(format!(
-                "import `{imp}` is not available to a {} plugin",
-                kind.name()
-            ));
+            return Err(format!("import `{imp}` is not available to a {} plugin", kind.name()));
         }
     }
     Ok(kind)

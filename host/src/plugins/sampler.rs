@@ -24,10 +24,7 @@ pub struct SamplerPlugin {
 }
 
 impl SamplerPlugin {
-    pub fn new(
-        runtime: Arc<PluginRuntime>,
-        compiled: &CompiledPlugin,
-    ) -> Result<SamplerPlugin, PluginError> {
+    pub fn new(runtime: Arc<PluginRuntime>, compiled: &CompiledPlugin) -> Result<SamplerPlugin, PluginError> {
         if compiled.kind != PluginKind::Sampler {
             return Err(PluginError::Rejected {
                 plugin: compiled.name.clone(),
@@ -35,23 +32,14 @@ impl SamplerPlugin {
             });
         }
         let linker = runtime.linker(PluginKind::Sampler, &compiled.component)?;
-        let pre =
-            linker
-                .instantiate_pre(&compiled.component)
-                .map_err(|e| PluginError::Rejected {
-                    plugin: compiled.name.clone(),
-                    reason: format!("{e:#}"),
-                })?;
+        let pre = linker
+            .instantiate_pre(&compiled.component)
+            .map_err(|e| PluginError::Rejected { plugin: compiled.name.clone(), reason: format!("{e:#}") })?;
         let pre = SamplerPre::new(pre).map_err(|e| PluginError::Rejected {
             plugin: compiled.name.clone(),
             reason: format!("does not match the sampler world: {e:#}"),
         })?;
-        Ok(SamplerPlugin {
-            name: compiled.name.clone(),
-            pre,
-            runtime,
-            limits: PluginKind::Sampler.default_limits(),
-        })
+        Ok(SamplerPlugin { name: compiled.name.clone(), pre, runtime, limits: PluginKind::Sampler.default_limits() })
     }
 
     pub fn with_limits(mut self, limits: KindLimits) -> Self {
@@ -66,30 +54,13 @@ impl SamplerPlugin {
         tenant: Arc<TenantServices>,
         tenant_name: &str,
     ) -> Result<SamplerInstance, PluginError> {
-        let mut store = self.runtime.store(
-            PluginKind::Sampler,
-            self.limits,
-            env,
-            tenant,
-            tenant_name,
-            &self.name,
-        );
-        let bindings = self
-            .pre
-            .instantiate(&mut store)
-            .map_err(|e| call_error(&self.name, &self.limits, e))?;
+        let mut store = self.runtime.store(PluginKind::Sampler, self.limits, env, tenant, tenant_name, &self.name);
+        let bindings = self.pre.instantiate(&mut store).map_err(|e| call_error(&self.name, &self.limits, e))?;
         let caps = bindings
             .kimi_host_sampler_plugin()
             .call_describe(&mut store)
             .map_err(|e| call_error(&self.name, &self.limits, e))?;
-        Ok(SamplerInstance {
-            name: self.name.clone(),
-            store,
-            bindings,
-            caps,
-            limits: self.limits,
-            poisoned: false,
-        })
+        Ok(SamplerInstance { name: self.name.clone(), store, bindings, caps, limits: self.limits, poisoned: false })
     }
 }
 
@@ -110,22 +81,13 @@ pub fn call_error(plugin: &str, limits: &KindLimits, e: wasmtime::Error) -> Plug
     if let Some(trap) = e.downcast_ref::<wasmtime::Trap>()
         && *trap == wasmtime::Trap::Interrupt
     {
-        return PluginError::Timeout {
-            plugin: plugin.to_string(),
-            ms: limits.call.as_millis(),
-        };
+        return PluginError::Timeout { plugin: plugin.to_string(), ms: limits.call.as_millis() };
     }
     let msg = format!("{e:#}");
     if msg.contains("forcing trap when growing memory") {
-        return PluginError::OutOfMemory {
-            plugin: plugin.to_string(),
-            mib: limits.memory_bytes >> 20,
-        };
+        return PluginError::OutOfMemory { plugin: plugin.to_string(), mib: limits.memory_bytes >> 20 };
     }
-    PluginError::Trap {
-        plugin: plugin.to_string(),
-        msg: first_line(&msg),
-    }
+    PluginError::Trap { plugin: plugin.to_string(), msg: first_line(&msg) }
 }
 
 fn first_line(s: &str) -> String {
@@ -139,10 +101,7 @@ fn guest_error(plugin: &str, e: GuestError) -> PluginError {
         GuestError::Rejected(m) => format!("rejected: {m}"),
         GuestError::Internal(m) => m,
     };
-    PluginError::Guest {
-        plugin: plugin.to_string(),
-        msg,
-    }
+    PluginError::Guest { plugin: plugin.to_string(), msg }
 }
 
 impl SamplerInstance {
@@ -176,11 +135,8 @@ impl SamplerInstance {
         seed: u64,
     ) -> Result<SeqHandle, PluginError> {
         self.arm()?;
-        let r = self
-            .bindings
-            .kimi_host_sampler_plugin()
-            .sequence()
-            .call_create(&mut self.store, req, params_json, seed);
+        let r =
+            self.bindings.kimi_host_sampler_plugin().sequence().call_create(&mut self.store, req, params_json, seed);
         match self.guard(r)? {
             Ok(h) => Ok(SeqHandle(h)),
             Err(e) => Err(guest_error(&self.name, e)),
@@ -189,31 +145,19 @@ impl SamplerInstance {
 
     pub fn accept(&mut self, seq: &SeqHandle, ids: &[u32]) -> Result<(), PluginError> {
         self.arm()?;
-        let r = self
-            .bindings
-            .kimi_host_sampler_plugin()
-            .sequence()
-            .call_accept(&mut self.store, seq.0, ids);
+        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_accept(&mut self.store, seq.0, ids);
         self.guard(r)
     }
 
     pub fn rollback(&mut self, seq: &SeqHandle, n: u32) -> Result<(), PluginError> {
         self.arm()?;
-        let r = self
-            .bindings
-            .kimi_host_sampler_plugin()
-            .sequence()
-            .call_rollback(&mut self.store, seq.0, n);
+        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_rollback(&mut self.store, seq.0, n);
         self.guard(r)
     }
 
     pub fn fork(&mut self, seq: &SeqHandle, seed: u64) -> Result<SeqHandle, PluginError> {
         self.arm()?;
-        let r = self
-            .bindings
-            .kimi_host_sampler_plugin()
-            .sequence()
-            .call_fork(&mut self.store, seq.0, seed);
+        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_fork(&mut self.store, seq.0, seed);
         self.guard(r).map(SeqHandle)
     }
 
@@ -237,25 +181,22 @@ impl SamplerInstance {
         self.arm()?;
         let vocab = self.store.data().env.vocab_size;
         let k = self.caps.max_candidates as usize;
+        let stats: Vec<_> = rows.iter().map(|r| row_stats(r.1)).collect();
         let wit_rows: Vec<Row> = rows
             .iter()
-            .map(|(seq, logits)| Row {
+            .zip(&stats)
+            .map(|((seq, logits), st)| Row {
                 seq: seq.0,
-                candidates: kimi_sampling_core::top_k(logits, k)
+                candidates: kimi_kernels::cpu::reduce::top_k(logits, k)
                     .into_iter()
                     .map(|(token, logit)| Candidate { token, logit })
                     .collect(),
-                stats: row_stats(logits),
+                stats: *st,
             })
             .collect();
         let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
         // SAFETY: `slices` borrow from `rows`, which outlive this call; cleared below.
-        unsafe {
-            self.store
-                .data_mut()
-                .step
-                .set(&slices, self.caps.full_logits)
-        };
+        unsafe { self.store.data_mut().step.set(&slices, stats, self.caps.full_logits) };
         let handle: Resource<StepLogits> = match self.store.data_mut().table.push(StepLogits) {
             Ok(h) => h,
             Err(e) => {
@@ -265,11 +206,8 @@ impl SamplerInstance {
         };
         let rep = handle.rep();
         let t = Instant::now();
-        let r = self.bindings.kimi_host_sampler_plugin().call_sample(
-            &mut self.store,
-            &wit_rows,
-            Resource::new_borrow(rep),
-        );
+        let r =
+            self.bindings.kimi_host_sampler_plugin().call_sample(&mut self.store, &wit_rows, Resource::new_borrow(rep));
         let elapsed = t.elapsed();
         self.store.data_mut().step.clear();
         let _ = self.store.data_mut().table.delete(handle);
@@ -281,11 +219,7 @@ impl SamplerInstance {
             self.poisoned = true;
             return Err(PluginError::BadReturn {
                 plugin: self.name.clone(),
-                msg: format!(
-                    "`sample` returned {} results for {} rows",
-                    out.len(),
-                    rows.len()
-                ),
+                msg: format!("`sample` returned {} results for {} rows", out.len(), rows.len()),
             });
         }
         Ok(out
@@ -314,58 +248,34 @@ pub struct TenantSampler {
 }
 
 impl TenantSampler {
-    pub fn new(
-        plugin: Arc<SamplerPlugin>,
-        env: Arc<PluginEnv>,
-        services: Arc<TenantServices>,
-        tenant: &str,
-    ) -> Self {
-        TenantSampler {
-            plugin,
-            health: Arc::default(),
-            env,
-            services,
-            tenant: tenant.to_string(),
-            instance: None,
-        }
+    pub fn new(plugin: Arc<SamplerPlugin>, env: Arc<PluginEnv>, services: Arc<TenantServices>, tenant: &str) -> Self {
+        TenantSampler { plugin, health: Arc::default(), env, services, tenant: tenant.to_string(), instance: None }
     }
 
     /// The live instance, instantiating a fresh one if there is none or the last one failed.
     pub fn instance(&mut self) -> Result<&mut SamplerInstance, PluginError> {
         if self.health.is_disabled() {
-            return Err(PluginError::Disabled {
-                plugin: self.plugin.name.clone(),
-            });
+            return Err(PluginError::Disabled { plugin: self.plugin.name.clone() });
         }
         if self.instance.as_ref().is_none_or(|i| i.is_poisoned()) {
             self.instance = None;
-            match self
-                .plugin
-                .instantiate(self.env.clone(), self.services.clone(), &self.tenant)
-            {
+            match self.plugin.instantiate(self.env.clone(), self.services.clone(), &self.tenant) {
                 Ok(i) => self.instance = Some(i),
                 Err(e) => {
-                    self.health
-                        .record_failure(true, matches!(e, PluginError::Timeout { .. }));
+                    self.health.record_failure(true, matches!(e, PluginError::Timeout { .. }));
                     return Err(e);
                 }
             }
         }
-        self.instance
-            .as_mut()
-            .ok_or_else(|| PluginError::Runtime("no sampler instance".into()))
+        self.instance.as_mut().ok_or_else(|| PluginError::Runtime("no sampler instance".into()))
     }
 
     /// Records the outcome of a call for the circuit breaker.
     pub fn observe<T>(&self, r: &Result<T, PluginError>) {
         if let Err(e) = r {
             let timeout = matches!(e, PluginError::Timeout { .. });
-            let trap = matches!(
-                e,
-                PluginError::Trap { .. }
-                    | PluginError::OutOfMemory { .. }
-                    | PluginError::BadReturn { .. }
-            );
+            let trap =
+                matches!(e, PluginError::Trap { .. } | PluginError::OutOfMemory { .. } | PluginError::BadReturn { .. });
             if timeout || trap {
                 self.health.record_failure(trap, timeout);
             }

@@ -48,9 +48,7 @@ impl Ranks {
     fn merge_scan(&self, piece: &[u8], out: &mut Vec<u32>) {
         // bounds[i] = start of part i; ranks[i] = rank of part i joined with part i+1.
         let mut bounds: Vec<usize> = (0..=piece.len()).collect();
-        let mut ranks: Vec<u32> = (0..piece.len().saturating_sub(1))
-            .map(|i| self.pair_rank(piece, i, i + 2))
-            .collect();
+        let mut ranks: Vec<u32> = (0..piece.len().saturating_sub(1)).map(|i| self.pair_rank(piece, i, i + 2)).collect();
         while let Some((i, &r)) = ranks.iter().enumerate().min_by_key(|&(i, &r)| (r, i)) {
             if r == u32::MAX {
                 break;
@@ -80,11 +78,7 @@ impl Ranks {
         let mut heap = BinaryHeap::new();
         let rank_at = |s: usize, next: &[usize]| -> u32 {
             let m = next[s];
-            if m >= n {
-                u32::MAX
-            } else {
-                self.pair_rank(piece, s, next[m])
-            }
+            if m >= n { u32::MAX } else { self.pair_rank(piece, s, next[m]) }
         };
         for s in 0..n.saturating_sub(1) {
             let r = rank_at(s, &next);

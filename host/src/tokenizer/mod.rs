@@ -31,11 +31,7 @@ pub enum TokenizerError {
         source: std::io::Error,
     },
     #[error("{path}:{line}: {msg}")]
-    Format {
-        path: String,
-        line: usize,
-        msg: String,
-    },
+    Format { path: String, line: usize, msg: String },
     #[error("unknown special token `{0}`")]
     UnknownSpecial(String),
     #[error("token id {id} is out of range for vocab size {vocab}")]
@@ -66,15 +62,8 @@ impl Tokenizer {
     pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let path = dir.join("tiktoken.model");
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(&path).map_err(|e| TokenizerError::Io {
-            path: file.clone(),
-            source: e,
-        })?;
-        let bad = |line: usize, msg: String| TokenizerError::Format {
-            path: file.clone(),
-            line,
-            msg,
-        };
+        let text = std::fs::read_to_string(&path).map_err(|e| TokenizerError::Io { path: file.clone(), source: e })?;
+        let bad = |line: usize, msg: String| TokenizerError::Format { path: file.clone(), line, msg };
         let b64 = base64::engine::general_purpose::STANDARD;
         let mut map: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
         map.reserve(text.len() / 16);
@@ -84,16 +73,10 @@ impl Tokenizer {
             if line.is_empty() {
                 continue;
             }
-            let (tok, rank) = line
-                .split_once(' ')
-                .ok_or_else(|| bad(lineno, "expected `<base64> <rank>`".to_string()))?;
-            let bytes = b64
-                .decode(tok)
-                .map_err(|e| bad(lineno, format!("invalid base64 `{tok}`: {e}")))?;
-            let rank: u32 = rank
-                .trim()
-                .parse()
-                .map_err(|_| bad(lineno, format!("invalid rank `{rank}`")))?;
+            let (tok, rank) =
+                line.split_once(' ').ok_or_else(|| bad(lineno, "expected `<base64> <rank>`".to_string()))?;
+            let bytes = b64.decode(tok).map_err(|e| bad(lineno, format!("invalid base64 `{tok}`: {e}")))?;
+            let rank: u32 = rank.trim().parse().map_err(|_| bad(lineno, format!("invalid rank `{rank}`")))?;
             if rank as usize >= decoder.len() {
                 decoder.resize(rank as usize + 1, Vec::new());
             }
@@ -106,10 +89,7 @@ impl Tokenizer {
             decoder[rank as usize] = bytes;
         }
         if let Some(hole) = decoder.iter().position(Vec::is_empty) {
-            return Err(bad(
-                0,
-                format!("ranks are not dense: rank {hole} is missing"),
-            ));
+            return Err(bad(0, format!("ranks are not dense: rank {hole} is missing")));
         }
         if decoder.is_empty() {
             return Err(bad(0, "no tokens".to_string()));
@@ -124,12 +104,7 @@ impl Tokenizer {
                 table.push((id, name));
             }
         }
-        Tokenizer::assemble(
-            Ranks::new(map),
-            decoder,
-            table,
-            &dir.join("tokenizer_config.json").display().to_string(),
-        )
+        Tokenizer::assemble(Ranks::new(map), decoder, table, &dir.join("tokenizer_config.json").display().to_string())
     }
 
     fn assemble(
@@ -163,21 +138,10 @@ impl Tokenizer {
         let special_re = if names.is_empty() {
             None
         } else {
-            let alt = names
-                .iter()
-                .map(|n| regex::escape(n))
-                .collect::<Vec<_>>()
-                .join("|");
+            let alt = names.iter().map(|n| regex::escape(n)).collect::<Vec<_>>().join("|");
             regex::Regex::new(&alt).ok()
         };
-        Ok(Tokenizer {
-            ranks,
-            decoder,
-            is_special,
-            special_ids,
-            pre: PreTokenizer::new(),
-            special_re,
-        })
+        Ok(Tokenizer { ranks, decoder, is_special, special_ids, pre: PreTokenizer::new(), special_re })
     }
 
     /// Ids this tokenizer can produce (BPE ranks plus specials, including gaps).
@@ -200,10 +164,7 @@ impl Tokenizer {
 
     /// The bytes of one id (a special's name for specials).
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
-        self.decoder
-            .get(id as usize)
-            .map(Vec::as_slice)
-            .filter(|b| !b.is_empty())
+        self.decoder.get(id as usize).map(Vec::as_slice).filter(|b| !b.is_empty())
     }
 
     /// Ordinary text → ids, never a special id (text spelling `<|open|>` is plain BPE).
@@ -214,9 +175,7 @@ impl Tokenizer {
     }
 
     fn encode_chunk(&self, chunk: &str, out: &mut Vec<u32>) {
-        self.pre.pieces(chunk, |piece| {
-            self.ranks.encode_piece(piece.as_bytes(), out)
-        });
+        self.pre.pieces(chunk, |piece| self.ranks.encode_piece(piece.as_bytes(), out));
     }
 
     /// Text in which every special token's spelling is recognised (tiktoken `allowed_special="all"`;
@@ -245,10 +204,9 @@ impl Tokenizer {
         for s in segments {
             match s {
                 Segment::Text(t) => out.extend(self.encode_text(t)),
-                Segment::Special(name) => out.push(
-                    self.special_id(name)
-                        .ok_or_else(|| TokenizerError::UnknownSpecial(name.clone()))?,
-                ),
+                Segment::Special(name) => {
+                    out.push(self.special_id(name).ok_or_else(|| TokenizerError::UnknownSpecial(name.clone()))?)
+                }
             }
         }
         Ok(out)
@@ -258,10 +216,7 @@ impl Tokenizer {
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
         let mut out = Vec::new();
         for &id in ids {
-            let b = self.token_bytes(id).ok_or(TokenizerError::IdOutOfRange {
-                id,
-                vocab: self.vocab_size(),
-            })?;
+            let b = self.token_bytes(id).ok_or(TokenizerError::IdOutOfRange { id, vocab: self.vocab_size() })?;
             out.extend_from_slice(b);
         }
         Ok(out)
@@ -299,9 +254,6 @@ impl Tokenizer {
             "tokenizer_class": "TikTokenTokenizer",
             "model_max_length": 1048576
         });
-        std::fs::write(
-            dir.join("tokenizer_config.json"),
-            serde_json::to_string_pretty(&cfg).unwrap_or_default(),
-        )
+        std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&cfg).unwrap_or_default())
     }
 }

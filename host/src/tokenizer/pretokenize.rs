@@ -37,9 +37,7 @@ impl Default for PreTokenizer {
 impl PreTokenizer {
     pub fn new() -> PreTokenizer {
         // The pattern is a compile-time constant; failing to build it is a programming error.
-        PreTokenizer {
-            re: Regex::new(PATTERN).expect("the Kimi pre-tokenisation pattern compiles"),
-        }
+        PreTokenizer { re: Regex::new(PATTERN).expect("the Kimi pre-tokenisation pattern compiles") }
     }
 
     /// Calls `f` with each piece of `text`, in order.
@@ -52,10 +50,7 @@ impl PreTokenizer {
             let mut end = m.end();
             let piece = m.as_str();
             // `\s+` matched (only whitespace, and no earlier alternative did): apply `(?!\S)`.
-            if end < text.len()
-                && piece.chars().all(char::is_whitespace)
-                && !ends_with_newline_rule(piece)
-            {
+            if end < text.len() && piece.chars().all(char::is_whitespace) && !ends_with_newline_rule(piece) {
                 let next_is_space = text[end..].chars().next().is_some_and(char::is_whitespace);
                 let mut chars = piece.char_indices();
                 if !next_is_space && chars.nth(1).is_some() {
@@ -86,10 +81,8 @@ fn py_isspace(c: char) -> bool {
 pub fn release_chunks(text: &str, mut f: impl FnMut(&str)) {
     let mut window_start = 0;
     while window_start < text.len() {
-        let window_end = text[window_start..]
-            .char_indices()
-            .nth(MAX_WINDOW_CHARS)
-            .map_or(text.len(), |(i, _)| window_start + i);
+        let window_end =
+            text[window_start..].char_indices().nth(MAX_WINDOW_CHARS).map_or(text.len(), |(i, _)| window_start + i);
         let window = &text[window_start..window_end];
         let mut slice_start = 0;
         let mut run_len = 0usize;

@@ -35,10 +35,10 @@ pub fn k3_defaults(base: u32) -> Vec<(u32, String)> {
     (0..NUM_SPECIALS)
         .map(|off| {
             let id = base + off;
-            let name = K3_NAMED.iter().find(|(o, _)| *o == off).map_or_else(
-                || format!("<|reserved_token_{id}|>"),
-                |(_, n)| n.to_string(),
-            );
+            let name = K3_NAMED
+                .iter()
+                .find(|(o, _)| *o == off)
+                .map_or_else(|| format!("<|reserved_token_{id}|>"), |(_, n)| n.to_string());
             (id, name)
         })
         .collect()
@@ -51,10 +51,7 @@ pub fn from_tokenizer_config(dir: &Path) -> Result<Option<Vec<(u32, String)>>, T
         return Ok(None);
     }
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(&path).map_err(|e| TokenizerError::Io {
-        path: file.clone(),
-        source: e,
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(|e| TokenizerError::Io { path: file.clone(), source: e })?;
     let v: Value = serde_json::from_str(&text).map_err(|e| TokenizerError::Format {
         path: file.clone(),
         line: e.line(),
@@ -65,22 +62,12 @@ pub fn from_tokenizer_config(dir: &Path) -> Result<Option<Vec<(u32, String)>>, T
     };
     let mut out = Vec::with_capacity(table.len());
     for (id, entry) in table {
-        let bad = |msg: String| TokenizerError::Format {
-            path: file.clone(),
-            line: 0,
-            msg,
-        };
-        let id: u32 = id
-            .parse()
-            .map_err(|_| bad(format!("added_tokens_decoder key `{id}` is not a token id")))?;
+        let bad = |msg: String| TokenizerError::Format { path: file.clone(), line: 0, msg };
+        let id: u32 = id.parse().map_err(|_| bad(format!("added_tokens_decoder key `{id}` is not a token id")))?;
         let name = entry
             .get("content")
             .and_then(Value::as_str)
-            .ok_or_else(|| {
-                bad(format!(
-                    "added_tokens_decoder[{id}] has no string `content`"
-                ))
-            })?;
+            .ok_or_else(|| bad(format!("added_tokens_decoder[{id}] has no string `content`")))?;
         out.push((id, name.to_string()));
     }
     out.sort();

@@ -25,10 +25,7 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     /// `stops`: strings that end the stream when generated (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> StreamDecoder {
-        StreamDecoder {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
-            ..Default::default()
-        }
+        StreamDecoder { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), ..Default::default() }
     }
 
     /// Drop special tokens instead of emitting their names.
@@ -45,10 +42,7 @@ impl StreamDecoder {
         if self.skip_special && tok.is_special(id) {
             return Ok(StreamOutput::default());
         }
-        let bytes = tok.token_bytes(id).ok_or(TokenizerError::IdOutOfRange {
-            id,
-            vocab: tok.vocab_size(),
-        })?;
+        let bytes = tok.token_bytes(id).ok_or(TokenizerError::IdOutOfRange { id, vocab: tok.vocab_size() })?;
         Ok(self.push_bytes(bytes))
     }
 
@@ -73,10 +67,7 @@ impl StreamDecoder {
             text.push_str(&std::mem::take(&mut self.held));
         }
         self.stopped = true;
-        StreamOutput {
-            text,
-            stop: out.stop,
-        }
+        StreamOutput { text, stop: out.stop }
     }
 
     fn decode_pending(&mut self, last: bool) {
@@ -90,8 +81,7 @@ impl StreamDecoder {
                 Err(e) => {
                     let valid = e.valid_up_to();
                     // SAFETY-free: the prefix up to `valid` is valid UTF-8 by definition.
-                    self.held
-                        .push_str(std::str::from_utf8(&self.pending[..valid]).unwrap_or_default());
+                    self.held.push_str(std::str::from_utf8(&self.pending[..valid]).unwrap_or_default());
                     match e.error_len() {
                         Some(n) => {
                             self.held.push('\u{FFFD}');
@@ -118,33 +108,21 @@ impl StreamDecoder {
             .stops
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| {
-                self.held
-                    .find(s.as_str())
-                    .map(|p| (p, std::cmp::Reverse(s.len()), i))
-            })
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|p| (p, std::cmp::Reverse(s.len()), i)))
             .min();
         if let Some((p, _, i)) = hit {
             let text = self.held[..p].to_string();
             self.held.clear();
             self.pending.clear();
             self.stopped = true;
-            return StreamOutput {
-                text,
-                stop: Some(i),
-            };
+            return StreamOutput { text, stop: Some(i) };
         }
         // Hold back the longest tail that is a proper prefix of some stop string.
         let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
         let mut keep = 0;
         for k in (1..longest.min(self.held.len() + 1)).rev() {
             let start = self.held.len() - k;
-            if self.held.is_char_boundary(start)
-                && self
-                    .stops
-                    .iter()
-                    .any(|s| s.starts_with(&self.held[start..]))
-            {
+            if self.held.is_char_boundary(start) && self.stops.iter().any(|s| s.starts_with(&self.held[start..])) {
                 keep = k;
                 break;
             }

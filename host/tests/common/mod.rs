@@ -12,11 +12,7 @@ pub fn golden_dir() -> PathBuf {
     let dir = std::env::var_os("KIMI_GOLDEN_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden"));
-    assert!(
-        dir.is_dir(),
-        "golden directory {} not found: the tests need ../shared/golden",
-        dir.display()
-    );
+    assert!(dir.is_dir(), "golden directory {} not found: the tests need ../shared/golden", dir.display());
     dir
 }
 
@@ -29,22 +25,14 @@ pub struct Golden {
 impl Golden {
     pub fn open(name: &str) -> Golden {
         let dir = golden_dir().join(name);
-        let case: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("case.json")).expect("case.json"),
-        )
-        .expect("case.json is JSON");
-        let ck =
-            Checkpoint::open_file(&dir.join("golden.safetensors")).expect("golden.safetensors");
+        let case: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).expect("case.json"))
+            .expect("case.json is JSON");
+        let ck = Checkpoint::open_file(&dir.join("golden.safetensors")).expect("golden.safetensors");
         Golden { dir, case, ck }
     }
 
     pub fn names(&self) -> Vec<String> {
-        self.case["golden_tensors"]
-            .as_object()
-            .expect("golden_tensors")
-            .keys()
-            .cloned()
-            .collect()
+        self.case["golden_tensors"].as_object().expect("golden_tensors").keys().cloned().collect()
     }
 
     pub fn has(&self, name: &str) -> bool {
@@ -52,19 +40,13 @@ impl Golden {
     }
 
     pub fn f32(&self, name: &str) -> Vec<f32> {
-        let info = self
-            .ck
-            .info(name)
-            .unwrap_or_else(|| panic!("golden tensor {name} missing"));
+        let info = self.ck.info(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
         assert_eq!(info.dtype, Dtype::F32, "{name}");
         self.ck.read_f32(info)
     }
 
     pub fn i64(&self, name: &str) -> Vec<i64> {
-        let info = self
-            .ck
-            .info(name)
-            .unwrap_or_else(|| panic!("golden tensor {name} missing"));
+        let info = self.ck.info(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
         assert_eq!(info.dtype, Dtype::I64, "{name}");
         self.ck.read_i64(info)
     }
@@ -78,15 +60,11 @@ impl Golden {
     }
 
     pub fn tol_logits(&self) -> f32 {
-        self.case["suggested_tolerance"]["logits_max_abs"]
-            .as_f64()
-            .expect("tolerance") as f32
+        self.case["suggested_tolerance"]["logits_max_abs"].as_f64().expect("tolerance") as f32
     }
 
     pub fn tol_state(&self) -> f32 {
-        self.case["suggested_tolerance"]["hidden_and_state_max_abs"]
-            .as_f64()
-            .expect("tolerance") as f32
+        self.case["suggested_tolerance"]["hidden_and_state_max_abs"].as_f64().expect("tolerance") as f32
     }
 }
 

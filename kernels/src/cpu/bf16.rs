@@ -12,11 +12,7 @@ pub struct Bf16Matrix<'a> {
 
 impl<'a> Bf16Matrix<'a> {
     pub fn new(data: &'a [u16], rows: usize, cols: usize) -> Self {
-        assert_eq!(
-            data.len(),
-            rows * cols,
-            "Bf16Matrix: data length != rows*cols"
-        );
+        assert_eq!(data.len(), rows * cols, "Bf16Matrix: data length != rows*cols");
         Bf16Matrix { data, rows, cols }
     }
 
@@ -25,11 +21,7 @@ impl<'a> Bf16Matrix<'a> {
     }
 
     pub fn row_range(&self, start: usize, len: usize) -> Bf16Matrix<'a> {
-        Bf16Matrix::new(
-            &self.data[start * self.cols..(start + len) * self.cols],
-            len,
-            self.cols,
-        )
+        Bf16Matrix::new(&self.data[start * self.cols..(start + len) * self.cols], len, self.cols)
     }
 
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {

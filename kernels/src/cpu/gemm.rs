@@ -27,18 +27,8 @@ unsafe impl Sync for OutPtr {}
 
 pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(
-        x.len(),
-        tokens * cols,
-        "matmul: x has {} values, want {tokens}×{cols}",
-        x.len()
-    );
-    assert_eq!(
-        out.len(),
-        tokens * rows,
-        "matmul: out has {} values, want {tokens}×{rows}",
-        out.len()
-    );
+    assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
+    assert_eq!(out.len(), tokens * rows, "matmul: out has {} values, want {tokens}×{rows}", out.len());
     if tokens == 0 || rows == 0 {
         return;
     }
@@ -98,9 +88,8 @@ fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out:
             let mut t = 0;
             while t < tokens {
                 let nt = (tokens - t).min(4);
-                let xs: [&[f32]; 4] = std::array::from_fn(|j| {
-                    &x[(t + j.min(nt - 1)) * cols..(t + j.min(nt - 1) + 1) * cols]
-                });
+                let xs: [&[f32]; 4] =
+                    std::array::from_fn(|j| &x[(t + j.min(nt - 1)) * cols..(t + j.min(nt - 1) + 1) * cols]);
                 let tile = dot_tile(wt, cols, &xs);
                 for (j, row) in tile.iter().take(nt).enumerate() {
                     for (i, val) in row.iter().take(n).enumerate() {
@@ -160,8 +149,7 @@ mod x86 {
         let mut c = 0;
         unsafe {
             let step = |c: usize, m: __mmask16, acc: &mut [[__m512; 4]; 4]| {
-                let wv: [__m512; 4] =
-                    std::array::from_fn(|i| _mm512_maskz_loadu_ps(m, w.as_ptr().add(i * cols + c)));
+                let wv: [__m512; 4] = std::array::from_fn(|i| _mm512_maskz_loadu_ps(m, w.as_ptr().add(i * cols + c)));
                 for j in 0..4 {
                     let xv = _mm512_maskz_loadu_ps(m, xs[j].as_ptr().add(c));
                     for i in 0..4 {

@@ -9,15 +9,7 @@ pub const CHUNK: usize = 64;
 
 /// One recurrent step: decay, error against the decayed state, delta-rule write, read.
 /// `q` is already L2-normalised and scaled, `k` L2-normalised, `g` the per-key log decay.
-pub fn kda_step(
-    state: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    out: &mut [f32],
-) {
+pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, out: &mut [f32]) {
     let dk = k.len();
     let dv = v.len();
     debug_assert_eq!(state.len(), dk * dv);
@@ -72,11 +64,7 @@ pub fn kda_chunk(
     s.gamma.resize(n * dk, 0.0);
     for i in 0..n {
         for c in 0..dk {
-            let prev = if i == 0 {
-                0.0
-            } else {
-                s.gamma[(i - 1) * dk + c]
-            };
+            let prev = if i == 0 { 0.0 } else { s.gamma[(i - 1) * dk + c] };
             s.gamma[i * dk + c] = prev + g[i * dk + c];
         }
     }
@@ -87,11 +75,7 @@ pub fn kda_chunk(
     s.aqk.clear();
     s.aqk.resize(n * n, 0.0);
     for i in 0..n {
-        let (qi, ki, gi) = (
-            &q[i * dk..(i + 1) * dk],
-            &k[i * dk..(i + 1) * dk],
-            &gam[i * dk..(i + 1) * dk],
-        );
+        let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
         for j in 0..=i {
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
             let (mut sq, mut sk) = (0f32, 0f32);

@@ -5,4 +5,5 @@ pub mod bf16;
 pub mod gemm;
 pub mod kda;
 pub mod mxfp4;
+pub mod reduce;
 pub mod simd;

@@ -7,9 +7,7 @@
 pub const GROUP: usize = 32;
 
 /// E2M1 code → value (bit 3 sign, bits 0–2 magnitude index).
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// E8M0 byte → 2^(b − 127). b = 0 is the subnormal 2^−127 (not 0); b = 255 is NaN (OCP).
 pub fn e8m0_to_f32(b: u8) -> f32 {
@@ -44,22 +42,10 @@ pub struct Mxfp4Matrix<'a> {
 impl<'a> Mxfp4Matrix<'a> {
     /// `cols` must be a multiple of 32; `packed` is `[rows, cols/2]`, `scales` `[rows, cols/32]`.
     pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Self {
-        assert!(
-            cols.is_multiple_of(GROUP),
-            "Mxfp4Matrix: cols {cols} not a multiple of 32"
-        );
+        assert!(cols.is_multiple_of(GROUP), "Mxfp4Matrix: cols {cols} not a multiple of 32");
         assert_eq!(packed.len(), rows * cols / 2, "Mxfp4Matrix: packed length");
-        assert_eq!(
-            scales.len(),
-            rows * cols / GROUP,
-            "Mxfp4Matrix: scale length"
-        );
-        Mxfp4Matrix {
-            packed,
-            scales,
-            rows,
-            cols,
-        }
+        assert_eq!(scales.len(), rows * cols / GROUP, "Mxfp4Matrix: scale length");
+        Mxfp4Matrix { packed, scales, rows, cols }
     }
 
     pub fn row_range(&self, start: usize, len: usize) -> Mxfp4Matrix<'a> {
@@ -79,11 +65,7 @@ impl<'a> Mxfp4Matrix<'a> {
         let sb = self.cols / GROUP;
         let packed = &self.packed[r * pb..(r + 1) * pb];
         let scales = &self.scales[r * sb..(r + 1) * sb];
-        for (g, (&s, bytes)) in scales
-            .iter()
-            .zip(packed.chunks_exact(GROUP / 2))
-            .enumerate()
-        {
+        for (g, (&s, bytes)) in scales.iter().zip(packed.chunks_exact(GROUP / 2)).enumerate() {
             let scale = e8m0_to_f32(s);
             let dst = &mut out[g * GROUP..(g + 1) * GROUP];
             for (pair, &b) in dst.chunks_exact_mut(2).zip(bytes) {
@@ -110,11 +92,7 @@ impl<'a> Mxfp4Matrix<'a> {
 pub fn quantize_row(row: &[f32], packed: &mut [u8], scales: &mut [u8]) {
     for (g, group) in row.chunks_exact(GROUP).enumerate() {
         let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let exp = if amax > 0.0 {
-            amax.log2().floor() as i32 - 2
-        } else {
-            -127
-        };
+        let exp = if amax > 0.0 { amax.log2().floor() as i32 - 2 } else { -127 };
         let b = (exp + 127).clamp(1, 254) as u8;
         scales[g] = b;
         let scale = e8m0_to_f32(b);

@@ -114,11 +114,7 @@ pub(crate) mod x86 {
         let mut i = 0;
         unsafe {
             while i + 32 <= n {
-                acc0 = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(a.as_ptr().add(i)),
-                    _mm512_loadu_ps(b.as_ptr().add(i)),
-                    acc0,
-                );
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i)), acc0);
                 acc1 = _mm512_fmadd_ps(
                     _mm512_loadu_ps(a.as_ptr().add(i + 16)),
                     _mm512_loadu_ps(b.as_ptr().add(i + 16)),
@@ -127,11 +123,7 @@ pub(crate) mod x86 {
                 i += 32;
             }
             if i + 16 <= n {
-                acc0 = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(a.as_ptr().add(i)),
-                    _mm512_loadu_ps(b.as_ptr().add(i)),
-                    acc0,
-                );
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(b.as_ptr().add(i)), acc0);
                 i += 16;
             }
             if i < n {
@@ -164,11 +156,7 @@ pub(crate) mod x86 {
         let mut i = 0;
         unsafe {
             while i + 16 <= n {
-                acc0 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(a.as_ptr().add(i)),
-                    _mm256_loadu_ps(b.as_ptr().add(i)),
-                    acc0,
-                );
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc0);
                 acc1 = _mm256_fmadd_ps(
                     _mm256_loadu_ps(a.as_ptr().add(i + 8)),
                     _mm256_loadu_ps(b.as_ptr().add(i + 8)),

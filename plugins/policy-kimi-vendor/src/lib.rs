@@ -4,9 +4,7 @@
 //! the verifier. Config may override the allowed values:
 //! `{"temperature_max": 1.0, "top_p": [0.95], "allow_penalties": false, "max_n": 1}`.
 
-use kimi_plugin::policy::exports::kimi::host::policy_plugin::{
-    Admission, Capabilities, Guest, Rejection, RequestMeta,
-};
+use kimi_plugin::policy::exports::kimi::host::policy_plugin::{Admission, Capabilities, Guest, Rejection, RequestMeta};
 use kimi_plugin::policy::kimi::host::types::PluginError;
 use serde::Deserialize;
 use serde_json::Value;
@@ -22,37 +20,22 @@ struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            temperature_max: 1.0,
-            top_p: vec![0.95],
-            allow_penalties: false,
-            max_n: 1,
-        }
+        Config { temperature_max: 1.0, top_p: vec![0.95], allow_penalties: false, max_n: 1 }
     }
 }
 
 fn bad(msg: String) -> Result<Admission, PluginError> {
-    Ok(Admission::Reject(Rejection {
-        status: 400,
-        message: msg,
-        retry_after_ms: None,
-    }))
+    Ok(Admission::Reject(Rejection { status: 400, message: msg, retry_after_ms: None }))
 }
 
 struct Vendor;
 
 impl Guest for Vendor {
     fn describe() -> Capabilities {
-        Capabilities {
-            name: "policy-kimi-vendor".into(),
-        }
+        Capabilities { name: "policy-kimi-vendor".into() }
     }
 
-    fn admit(
-        config_json: String,
-        _meta: RequestMeta,
-        body_json: String,
-    ) -> Result<Admission, PluginError> {
+    fn admit(config_json: String, _meta: RequestMeta, body_json: String) -> Result<Admission, PluginError> {
         let c: Config = if config_json.trim().is_empty() {
             Config::default()
         } else {
@@ -78,10 +61,7 @@ impl Guest for Vendor {
                 Some(p) if c.top_p.iter().any(|a| (a - p).abs() < 1e-9) => {}
                 _ => {
                     let allowed: Vec<String> = c.top_p.iter().map(|x| x.to_string()).collect();
-                    return bad(format!(
-                        "top_p must be {} for this model, got {p}",
-                        allowed.join(" or ")
-                    ));
+                    return bad(format!("top_p must be {} for this model, got {p}", allowed.join(" or ")));
                 }
             }
         }
@@ -90,9 +70,7 @@ impl Guest for Vendor {
                 if let Some(v) = num(k)
                     && v.as_f64() != Some(0.0)
                 {
-                    return bad(format!(
-                        "{k} is not supported for this model (must be 0), got {v}"
-                    ));
+                    return bad(format!("{k} is not supported for this model (must be 0), got {v}"));
                 }
             }
         }
@@ -100,23 +78,14 @@ impl Guest for Vendor {
             match n.as_u64() {
                 Some(n) if n >= 1 && n <= c.max_n => {}
                 _ => {
-                    return bad(format!(
-                        "n must be between 1 and {} for this model, got {n}",
-                        c.max_n
-                    ));
+                    return bad(format!("n must be between 1 and {} for this model, got {n}", c.max_n));
                 }
             }
         }
         Ok(Admission::Allow)
     }
 
-    fn on_complete(
-        _config_json: String,
-        _meta: RequestMeta,
-        _prompt_tokens: u32,
-        _completion_tokens: u32,
-    ) {
-    }
+    fn on_complete(_config_json: String, _meta: RequestMeta, _prompt_tokens: u32, _completion_tokens: u32) {}
 }
 
 kimi_plugin::policy::export_policy!(Vendor);

@@ -6,9 +6,7 @@
 //! `{"requests_per_minute": 600, "tokens_per_minute": 1000000, "max_prompt_tokens": 131072,
 //!   "max_completion_tokens": 32768, "max_concurrent": 64, "per_key": true}`
 
-use kimi_plugin::policy::exports::kimi::host::policy_plugin::{
-    Admission, Capabilities, Guest, Rejection, RequestMeta,
-};
+use kimi_plugin::policy::exports::kimi::host::policy_plugin::{Admission, Capabilities, Guest, Rejection, RequestMeta};
 use kimi_plugin::policy::kimi::host::types::PluginError;
 use kimi_plugin::policy::kimi::host::{metrics, rate_limit};
 use serde::Deserialize;
@@ -28,51 +26,33 @@ fn config(s: &str) -> Result<Config, PluginError> {
     if s.trim().is_empty() {
         return Ok(Config::default());
     }
-    serde_json::from_str(s)
-        .map_err(|e| PluginError::BadConfig(format!("policy-limits config: {e}")))
+    serde_json::from_str(s).map_err(|e| PluginError::BadConfig(format!("policy-limits config: {e}")))
 }
 
 fn scope(c: &Config, meta: &RequestMeta) -> String {
-    if c.per_key {
-        format!("key:{}", meta.key_id)
-    } else {
-        "tenant".to_string()
-    }
+    if c.per_key { format!("key:{}", meta.key_id) } else { "tenant".to_string() }
 }
 
 fn reject(status: u16, message: String, retry_after_ms: Option<u64>) -> Admission {
     metrics::counter_add("rejected", 1);
-    Admission::Reject(Rejection {
-        status,
-        message,
-        retry_after_ms,
-    })
+    Admission::Reject(Rejection { status, message, retry_after_ms })
 }
 
 struct Limits;
 
 impl Guest for Limits {
     fn describe() -> Capabilities {
-        Capabilities {
-            name: "policy-limits".into(),
-        }
+        Capabilities { name: "policy-limits".into() }
     }
 
-    fn admit(
-        config_json: String,
-        meta: RequestMeta,
-        _body_json: String,
-    ) -> Result<Admission, PluginError> {
+    fn admit(config_json: String, meta: RequestMeta, _body_json: String) -> Result<Admission, PluginError> {
         let c = config(&config_json)?;
         if let Some(max) = c.max_prompt_tokens
             && meta.prompt_tokens > max
         {
             return Ok(reject(
                 400,
-                format!(
-                    "prompt has {} tokens; this tenant allows at most {max}",
-                    meta.prompt_tokens
-                ),
+                format!("prompt has {} tokens; this tenant allows at most {max}", meta.prompt_tokens),
                 None,
             ));
         }
@@ -81,60 +61,34 @@ impl Guest for Limits {
         {
             return Ok(reject(
                 400,
-                format!(
-                    "max_tokens {} exceeds this tenant's limit of {max}",
-                    meta.max_tokens
-                ),
+                format!("max_tokens {} exceeds this tenant's limit of {max}", meta.max_tokens),
                 None,
             ));
         }
         let s = scope(&c, &meta);
         if let Some(rpm) = c.requests_per_minute
-            && let Err(ms) =
-                rate_limit::try_acquire(&format!("{s}:requests"), 1, rpm as f64 / 60.0, rpm.max(1))
+            && let Err(ms) = rate_limit::try_acquire(&format!("{s}:requests"), 1, rpm as f64 / 60.0, rpm.max(1))
         {
-            return Ok(reject(
-                429,
-                format!("rate limit: {rpm} requests per minute"),
-                Some(ms),
-            ));
+            return Ok(reject(429, format!("rate limit: {rpm} requests per minute"), Some(ms)));
         }
         if let Some(tpm) = c.tokens_per_minute {
-            let want = meta
-                .prompt_tokens
-                .saturating_add(meta.max_tokens.saturating_mul(meta.n.max(1)));
-            if let Err(ms) = rate_limit::try_acquire(
-                &format!("{s}:tokens"),
-                want.min(tpm.max(1)),
-                tpm as f64 / 60.0,
-                tpm.max(1),
-            ) {
-                return Ok(reject(
-                    429,
-                    format!("rate limit: {tpm} tokens per minute"),
-                    Some(ms),
-                ));
+            let want = meta.prompt_tokens.saturating_add(meta.max_tokens.saturating_mul(meta.n.max(1)));
+            if let Err(ms) =
+                rate_limit::try_acquire(&format!("{s}:tokens"), want.min(tpm.max(1)), tpm as f64 / 60.0, tpm.max(1))
+            {
+                return Ok(reject(429, format!("rate limit: {tpm} tokens per minute"), Some(ms)));
             }
         }
         if let Some(max) = c.max_concurrent
             && let Err(_) = rate_limit::try_acquire(&format!("{s}:concurrent"), 1, 0.0, max.max(1))
         {
-            return Ok(reject(
-                429,
-                format!("too many concurrent requests (limit {max})"),
-                Some(1000),
-            ));
+            return Ok(reject(429, format!("too many concurrent requests (limit {max})"), Some(1000)));
         }
         metrics::counter_add("admitted", 1);
         Ok(Admission::Allow)
     }
 
-    fn on_complete(
-        config_json: String,
-        meta: RequestMeta,
-        _prompt_tokens: u32,
-        completion_tokens: u32,
-    ) {
+    fn on_complete(config_json: String, meta: RequestMeta, _prompt_tokens: u32, completion_tokens: u32) {
         let Ok(c) = config(&config_json) else { return };
         let s = scope(&c, &meta);
         if c.max_concurrent.is_some() {
@@ -143,10 +97,7 @@ impl Guest for Limits {
         if c.tokens_per_minute.is_some() {
             // Give back what was reserved but not generated.
             let reserved = meta.max_tokens.saturating_mul(meta.n.max(1));
-            rate_limit::release(
-                &format!("{s}:tokens"),
-                reserved.saturating_sub(completion_tokens),
-            );
+            rate_limit::release(&format!("{s}:tokens"), reserved.saturating_sub(completion_tokens));
         }
     }
 }

@@ -4,9 +4,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
-use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{
-    Capabilities, Guest, GuestSequence, Row, Sequence,
-};
+use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
 use kimi_plugin::sampler::kimi::host::logits::StepLogits;
 use kimi_plugin::sampler::kimi::host::tokenizer;
 use kimi_plugin::sampler::kimi::host::types::{PluginError, RequestInfo};
@@ -46,19 +44,15 @@ fn parse(params_json: &str) -> Result<Params, PluginError> {
     let w: Wire = if params_json.trim().is_empty() {
         Wire::default()
     } else {
-        serde_json::from_str(params_json)
-            .map_err(|e| PluginError::BadConfig(format!("sampling parameters: {e}")))?
+        serde_json::from_str(params_json).map_err(|e| PluginError::BadConfig(format!("sampling parameters: {e}")))?
     };
     let d = Params::default();
     let mut logit_bias = BTreeMap::new();
     for (k, v) in w.logit_bias.unwrap_or_default() {
-        let id: u32 = k.parse().map_err(|_| {
-            PluginError::BadConfig(format!("logit_bias key `{k}` is not a token id"))
-        })?;
+        let id: u32 =
+            k.parse().map_err(|_| PluginError::BadConfig(format!("logit_bias key `{k}` is not a token id")))?;
         if id >= vocab() {
-            return Err(PluginError::BadConfig(format!(
-                "logit_bias token {id} is outside the vocabulary"
-            )));
+            return Err(PluginError::BadConfig(format!("logit_bias token {id} is outside the vocabulary")));
         }
         logit_bias.insert(id, v);
     }
@@ -89,19 +83,11 @@ impl LogitsSource for HostLogits<'_> {
     }
 
     fn top_k(&mut self, k: u32) -> Vec<(u32, f32)> {
-        self.0
-            .top_k(self.1, k)
-            .into_iter()
-            .map(|c| (c.token, c.logit))
-            .collect()
+        self.0.top_k(self.1, k).into_iter().map(|c| (c.token, c.logit)).collect()
     }
 
     fn gather(&mut self, ids: &[u32]) -> Vec<f32> {
-        if ids.is_empty() {
-            Vec::new()
-        } else {
-            self.0.gather(self.1, ids)
-        }
+        if ids.is_empty() { Vec::new() } else { self.0.gather(self.1, ids) }
     }
 
     fn log_sum_exp(&mut self, t: f32) -> f32 {
@@ -130,15 +116,8 @@ impl Guest for Standard {
             .enumerate()
             .map(|(i, row)| {
                 let seq: &Seq = row.seq.get();
-                let cands = row
-                    .candidates
-                    .into_iter()
-                    .map(|c| (c.token, c.logit))
-                    .collect();
-                seq.0
-                    .borrow_mut()
-                    .sample(&mut HostLogits(logits, i as u32), cands)
-                    .map_err(PluginError::Internal)
+                let cands = row.candidates.into_iter().map(|c| (c.token, c.logit)).collect();
+                seq.0.borrow_mut().sample(&mut HostLogits(logits, i as u32), cands).map_err(PluginError::Internal)
             })
             .collect()
     }
@@ -146,10 +125,7 @@ impl Guest for Standard {
 
 impl GuestSequence for Seq {
     fn create(_req: RequestInfo, params_json: String, seed: u64) -> Result<Sequence, PluginError> {
-        Ok(Sequence::new(Seq(RefCell::new(SeqState::new(
-            parse(&params_json)?,
-            seed,
-        )))))
+        Ok(Sequence::new(Seq(RefCell::new(SeqState::new(parse(&params_json)?, seed)))))
     }
 
     fn accept(&self, ids: Vec<u32>) {

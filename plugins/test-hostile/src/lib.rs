@@ -6,9 +6,7 @@
 
 use std::cell::Cell;
 
-use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{
-    Capabilities, Guest, GuestSequence, Row, Sequence,
-};
+use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
 use kimi_plugin::sampler::kimi::host::logits::StepLogits;
 use kimi_plugin::sampler::kimi::host::tokenizer;
 use kimi_plugin::sampler::kimi::host::types::{PluginError, RequestInfo};
@@ -25,12 +23,7 @@ impl Guest for Hostile {
     type Sequence = Seq;
 
     fn describe() -> Capabilities {
-        Capabilities {
-            name: "test-hostile".into(),
-            max_candidates: 4,
-            full_logits: false,
-            argmax_invariant: false,
-        }
+        Capabilities { name: "test-hostile".into(), max_candidates: 4, full_logits: false, argmax_invariant: false }
     }
 
     fn sample(rows: Vec<Row<'_>>, _logits: &StepLogits) -> Vec<Result<u32, PluginError>> {
@@ -41,9 +34,7 @@ impl Guest for Hostile {
                 "loop" => {
                     let mut x = 1u64;
                     loop {
-                        x = std::hint::black_box(
-                            x.wrapping_mul(6364136223846793005).wrapping_add(1),
-                        );
+                        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
                     }
                 }
                 "grow" => {
@@ -71,10 +62,7 @@ impl Guest for Hostile {
 
 impl GuestSequence for Seq {
     fn create(_req: RequestInfo, params_json: String, _seed: u64) -> Result<Sequence, PluginError> {
-        Ok(Sequence::new(Seq(params_json
-            .trim()
-            .trim_matches('"')
-            .to_string())))
+        Ok(Sequence::new(Seq(params_json.trim().trim_matches('"').to_string())))
     }
 
     fn accept(&self, _ids: Vec<u32>) {}

@@ -1,0 +1,226 @@
+//! `kimi-host bench plugins`: each builtin's per-call cost beside its native equivalent, in one
+//! run — the standard sampler per sequence per step (plugin vs the same algorithm natively, both
+//! on 163,840-entry rows), policy admission (fresh pooled instance per request), and
+//! instantiation with and without the pooling allocator.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
+use crate::plugins::builtin::builtin;
+use crate::plugins::{
+    PluginEnv, PluginError, PluginRuntime, PolicyPlugin, RequestMeta, RuntimeOptions, SamplerPlugin, TenantServices,
+};
+
+#[derive(Debug, Serialize)]
+pub struct Timing {
+    pub what: String,
+    pub mean_us: f64,
+    pub p99_us: f64,
+    pub native_mean_us: Option<f64>,
+    pub ratio_vs_native: Option<f64>,
+}
+
+fn summary(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let p99 = v.get(((v.len() as f64 * 0.99) as usize).min(v.len().saturating_sub(1))).copied().unwrap_or(0.0);
+    (mean, p99)
+}
+
+fn timing(what: &str, plugin: Vec<f64>, native: Option<Vec<f64>>) -> Timing {
+    let (mean, p99) = summary(plugin);
+    let native_mean = native.map(|n| summary(n).0);
+    Timing {
+        what: what.to_string(),
+        mean_us: mean,
+        p99_us: p99,
+        native_mean_us: native_mean,
+        ratio_vs_native: native_mean.map(|n| mean / n.max(1e-9)),
+    }
+}
+
+fn rows(vocab: usize, batch: usize) -> Vec<Vec<f32>> {
+    let mut x = 0x1234_5678_9abc_def1u64;
+    (0..batch)
+        .map(|_| {
+            (0..vocab)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Zipf-like (p ∝ rank^-2 at random ranks): peaked like real next-token logits.
+                    let u = ((x >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
+                    (-2.0 * (u * vocab as f64).max(1.0).ln()) as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+pub fn bench_plugins(steps: usize, batch: usize) -> Result<Vec<Timing>, PluginError> {
+    let vocab = 163_840usize;
+    let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None })?;
+    let env = Arc::new(PluginEnv { vocab_size: vocab as u32, eos_tokens: vec![163_586], tokenizer: None });
+    let svc = Arc::new(TenantServices::default());
+    let mut out = Vec::new();
+
+    // Sampler: per sequence per step, candidates computed by the host (top-256 of each row).
+    let compiled = rt.load("sampler-standard", builtin("sampler-standard").unwrap_or_default())?;
+    let plugin = SamplerPlugin::new(rt.clone(), &compiled)?;
+    let mut inst = plugin.instantiate(env.clone(), svc.clone(), "bench")?;
+    let req = RequestInfo {
+        tenant: "bench".into(),
+        request_id: "b".into(),
+        model: "kimi-k3".into(),
+        params_json: "{}".into(),
+    };
+    let params = r#"{"temperature": 1.0, "top_p": 0.95, "frequency_penalty": 0.3}"#;
+    let seqs: Vec<_> = (0..batch).map(|i| inst.create_sequence(&req, params, i as u64)).collect::<Result<_, _>>()?;
+    for s in &seqs {
+        inst.accept(s, &[1, 2, 3, 4, 5])?;
+    }
+    let data = rows(vocab, batch);
+    let mut plugin_t = Vec::new();
+    let mut candidates_t = Vec::new();
+    for step in 0..steps {
+        let t = Instant::now();
+        for r in &data {
+            std::hint::black_box(kimi_kernels::cpu::reduce::top_k(r, 256));
+            std::hint::black_box(crate::plugins::host::row_stats(r));
+        }
+        candidates_t.push(t.elapsed().as_secs_f64() * 1e6 / batch as f64);
+        let batch_rows: Vec<(&crate::plugins::SeqHandle, &[f32])> =
+            seqs.iter().zip(&data).map(|(s, r)| (s, r.as_slice())).collect();
+        let t = Instant::now();
+        let ids = inst.sample(&batch_rows, None)?;
+        // The call includes the host's candidate computation; report the plugin's share.
+        let total = t.elapsed().as_secs_f64() * 1e6 / batch as f64;
+        plugin_t.push((total - candidates_t[step]).max(0.0));
+        for (s, id) in seqs.iter().zip(ids) {
+            inst.accept(s, &[id?])?;
+        }
+    }
+    // The same algorithm natively, given the same candidates.
+    let p = kimi_sampling_core::Params { top_p: 0.95, frequency_penalty: 0.3, ..Default::default() };
+    let mut native_states: Vec<_> = (0..batch)
+        .map(|i| {
+            let mut s = kimi_sampling_core::SeqState::new(p.clone(), i as u64);
+            s.accept(&[1, 2, 3, 4, 5]);
+            s
+        })
+        .collect();
+    let cands: Vec<Vec<(u32, f32)>> = data.iter().map(|r| kimi_kernels::cpu::reduce::top_k(r, 256)).collect();
+    // Stats come from the host's per-row pass in both cases (the plugin's line excludes it too).
+    let lses: Vec<f32> = data.iter().map(|r| kimi_kernels::cpu::reduce::log_sum_exp(r, 1.0)).collect();
+    let mut native_t = Vec::new();
+    for _ in 0..steps {
+        let t = Instant::now();
+        for (((s, r), c), &lse) in native_states.iter_mut().zip(&data).zip(&cands).zip(&lses) {
+            let id = s.sample(&mut NativeLogits(r, lse), c.clone()).unwrap_or(0);
+            s.accept(&[id]);
+        }
+        native_t.push(t.elapsed().as_secs_f64() * 1e6 / batch as f64);
+    }
+    out.push(timing(
+        &format!("sampler-standard: per sequence per step (batch {batch}, top-256 candidates)"),
+        plugin_t,
+        Some(native_t),
+    ));
+    out.push(timing(
+        "host: top-256 candidates + stats (max, argmax, log-sum-exp) of one 163,840-entry row",
+        candidates_t,
+        None,
+    ));
+
+    // Policies: one admission (fresh pooled instance + call) vs parsing the body natively.
+    let body =
+        r#"{"model":"kimi-k3","messages":[{"role":"user","content":"hello"}],"temperature":0.6,"top_p":0.95,"n":1}"#;
+    let meta = RequestMeta {
+        tenant: "bench".into(),
+        key_id: "k".into(),
+        model: "kimi-k3".into(),
+        path: "/v1/chat/completions".into(),
+        prompt_tokens: 100,
+        max_tokens: 100,
+        n: 1,
+        streaming: false,
+    };
+    for name in ["policy-kimi-vendor", "policy-limits"] {
+        let compiled = rt.load(name, builtin(name).unwrap_or_default())?;
+        let policy = PolicyPlugin::new(rt.clone(), &compiled)?;
+        let cfg = if name == "policy-limits" { r#"{"requests_per_minute": 100000000}"# } else { "" };
+        let mut t_plugin = Vec::new();
+        let mut t_native = Vec::new();
+        for _ in 0..steps.max(50) {
+            let t = Instant::now();
+            policy.admit(&env, &svc, "bench", cfg, &meta, body)?;
+            t_plugin.push(t.elapsed().as_secs_f64() * 1e6);
+            let t = Instant::now();
+            let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+            std::hint::black_box(v.get("temperature").and_then(|x| x.as_f64()));
+            t_native.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        out.push(timing(&format!("{name}: admit (fresh pooled instance + call)"), t_plugin, Some(t_native)));
+    }
+
+    // Instantiation, pooled vs on demand.
+    for pooling in [true, false] {
+        let rt = PluginRuntime::new(RuntimeOptions { pooling, cache_dir: None })?;
+        let compiled = rt.load("sampler-standard", builtin("sampler-standard").unwrap_or_default())?;
+        let plugin = SamplerPlugin::new(rt.clone(), &compiled)?;
+        let mut t_inst = Vec::new();
+        for _ in 0..steps.max(50) {
+            let t = Instant::now();
+            let i = plugin.instantiate(env.clone(), svc.clone(), "bench")?;
+            t_inst.push(t.elapsed().as_secs_f64() * 1e6);
+            drop(i);
+        }
+        let what = if pooling {
+            "instantiate + describe (pooling allocator)"
+        } else {
+            "instantiate + describe (on-demand allocation)"
+        };
+        out.push(timing(what, t_inst, None));
+    }
+    Ok(out)
+}
+
+pub fn print(timings: &[Timing]) {
+    println!("{:<78} {:>10} {:>10} {:>12} {:>8}", "", "mean µs", "p99 µs", "native µs", "ratio");
+    for t in timings {
+        println!(
+            "{:<78} {:>10.2} {:>10.2} {:>12} {:>8}",
+            t.what,
+            t.mean_us,
+            t.p99_us,
+            t.native_mean_us.map_or("-".into(), |n| format!("{n:.2}")),
+            t.ratio_vs_native.map_or("-".into(), |r| format!("{r:.1}×"))
+        );
+    }
+    println!("grammar masks: the native grammar engine (llguidance) is not linked yet — no mask timings in this build");
+}
+
+/// The host's native logits source (vectorised reductions), for the native sampler baseline.
+pub struct NativeLogits<'a>(pub &'a [f32], pub f32);
+
+impl kimi_sampling_core::LogitsSource for NativeLogits<'_> {
+    fn vocab_size(&self) -> u32 {
+        self.0.len() as u32
+    }
+
+    fn top_k(&mut self, k: u32) -> Vec<(u32, f32)> {
+        kimi_kernels::cpu::reduce::top_k(self.0, k as usize)
+    }
+
+    fn gather(&mut self, ids: &[u32]) -> Vec<f32> {
+        ids.iter().map(|&i| self.0.get(i as usize).copied().unwrap_or(f32::NAN)).collect()
+    }
+
+    /// At temperature 1 the host's per-row stats already hold it (as for the plugin).
+    fn log_sum_exp(&mut self, t: f32) -> f32 {
+        if t == 1.0 { self.1 } else { kimi_kernels::cpu::reduce::log_sum_exp(self.0, t) }
+    }
+}

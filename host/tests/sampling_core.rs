@@ -1,0 +1,86 @@
+//! The shared sampling algorithm (`plugins/sampling-core`) run natively: exact top-k, greedy,
+//! and empirical distributions against brute force (chi-square). The same code runs inside the
+//! `sampler-standard` plugin (see `plugins.rs` for the plugin-side chi-square test).
+
+use kimi_sampling_core::{Params, SeqState, SliceLogits, top_k};
+
+fn exact(logits: &[f32], p: &Params) -> Vec<f64> {
+    // Brute force over the full row: the definition the candidate algorithm must equal.
+    let t = p.temperature as f64;
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let z: f64 = logits.iter().map(|&l| (l as f64 / t).exp()).sum();
+    let mut probs: Vec<f64> = order.iter().map(|&i| (logits[i] as f64 / t).exp() / z).collect();
+    let mut keep = probs.len();
+    if p.top_k > 0 {
+        keep = keep.min(p.top_k as usize);
+    }
+    let s: f64 = probs[..keep].iter().sum();
+    let mut cum = 0.0;
+    if let Some(i) = probs[..keep].iter().position(|pr| {
+        cum += pr / s;
+        cum >= p.top_p as f64
+    }) {
+        keep = i + 1;
+    }
+    let floor = p.min_p as f64 * probs[0];
+    keep = probs[..keep].iter().take_while(|&&x| x >= floor).count().max(1);
+    let s: f64 = probs[..keep].iter().sum();
+    let mut out = vec![0.0; logits.len()];
+    for (j, &i) in order.iter().enumerate().take(keep) {
+        out[i] = probs[j] / s;
+    }
+    probs.clear();
+    out
+}
+
+#[test]
+fn top_k_matches_a_full_sort() {
+    let v: Vec<f32> = (0..5000).map(|i| ((i * 7919 % 1013) as f32) / 7.0).collect();
+    let mut all: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    for k in [1, 2, 10, 333, 5000, 6000] {
+        assert_eq!(top_k(&v, k), all[..k.min(5000)].to_vec());
+    }
+}
+
+#[test]
+fn greedy_is_argmax_even_with_few_candidates() {
+    let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+    let mut s = SeqState::new(Params { temperature: 0.0, ..Default::default() }, 1);
+    let got = s.sample(&mut SliceLogits(&logits), vec![]).unwrap();
+    assert_eq!(got as usize, logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0);
+}
+
+#[test]
+fn empirical_distribution_matches_exact() {
+    let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 25.0).collect();
+    for p in [
+        Params { temperature: 0.8, top_p: 0.9, ..Default::default() },
+        Params { temperature: 1.3, top_k: 20, ..Default::default() },
+        Params { temperature: 1.0, min_p: 0.05, ..Default::default() },
+        Params { temperature: 0.7, ..Default::default() },
+    ] {
+        let want = exact(&logits, &p);
+        let mut s = SeqState::new(p.clone(), 9);
+        let n = 40_000;
+        let mut counts = vec![0u32; logits.len()];
+        for _ in 0..n {
+            counts[s.sample(&mut SliceLogits(&logits), vec![]).unwrap() as usize] += 1;
+        }
+        let mut chi2 = 0.0;
+        let mut dof = 0;
+        for (c, w) in counts.iter().zip(&want) {
+            if *w > 0.0 {
+                let e = w * n as f64;
+                chi2 += (*c as f64 - e).powi(2) / e;
+                dof += 1;
+            } else {
+                assert_eq!(*c, 0, "sampled a token outside the kept set ({p:?})");
+            }
+        }
+        // Loose bound: mean dof, sd sqrt(2 dof); 6 sd.
+        let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
+        assert!(chi2 < bound, "{p:?}: chi2 {chi2} over {dof} dof");
+    }
+}
