@@ -60,10 +60,14 @@ fn rows(vocab: usize, batch: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
-pub fn bench_plugins(steps: usize, batch: usize) -> Result<Vec<Timing>, PluginError> {
+pub fn bench_plugins(
+    steps: usize,
+    batch: usize,
+    tokenizer: Option<&std::path::Path>,
+) -> Result<Vec<Timing>, PluginError> {
     let vocab = 163_840usize;
     let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None })?;
-    let env = Arc::new(PluginEnv { vocab_size: vocab as u32, eos_tokens: vec![163_586], tokenizer: None });
+    let env = Arc::new(PluginEnv::bare(vocab as u32, vec![163_586]));
     let svc = Arc::new(TenantServices::default());
     let mut out = Vec::new();
 
@@ -185,7 +189,67 @@ pub fn bench_plugins(steps: usize, batch: usize) -> Result<Vec<Timing>, PluginEr
         };
         out.push(timing(what, t_inst, None));
     }
+    if let Some(dir) = tokenizer {
+        out.extend(bench_grammar(dir, steps)?);
+    }
     Ok(out)
+}
+
+/// Grammar compile and mask times on the given tokenizer's vocabulary (the Kimi one: 163,840).
+fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, PluginError> {
+    use crate::grammar::{Constraint, GrammarEngine};
+    let err = |e: String| PluginError::Runtime(e);
+    let tok = Arc::new(crate::tokenizer::Tokenizer::load(dir).map_err(|e| err(e.to_string()))?);
+    let eos = tok.special_id("<|end_of_msg|>").unwrap_or(0);
+    let vocab = tok.vocab_size();
+    let engine = GrammarEngine::new(tok.clone(), vocab, eos).map_err(|e| err(e.to_string()))?;
+    let schema = |i: usize| {
+        format!(
+            r#"{{"type":"object","properties":{{"location":{{"type":"string","maxLength":40}},"unit":{{"enum":["celsius","fahrenheit"]}},"days":{{"type":"integer","minimum":1,"maximum":{}}},"hourly":{{"type":"boolean"}},"tags":{{"type":"array","items":{{"type":"string","maxLength":12}},"maxItems":4}}}},"required":["location","unit","days"],"additionalProperties":false}}"#,
+            7 + i
+        )
+    };
+    let mut compile = Vec::new();
+    for i in 0..20 {
+        let t = Instant::now();
+        engine.matcher(&Constraint::JsonSchema(schema(i))).map_err(|e| err(e.to_string()))?;
+        compile.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let mut cached = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        engine.matcher(&Constraint::JsonSchema(schema(0))).map_err(|e| err(e.to_string()))?;
+        cached.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    // Masks along pseudo-random constrained walks.
+    let mut masks = Vec::new();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut walks = 0;
+    while masks.len() < steps.max(200) && walks < 1000 {
+        walks += 1;
+        let mut m = engine.matcher(&Constraint::JsonSchema(schema(walks % 20))).map_err(|e| err(e.to_string()))?;
+        for _ in 0..200 {
+            let t = Instant::now();
+            let mask = m.mask().map_err(|e| err(e.to_string()))?;
+            masks.push(t.elapsed().as_secs_f64() * 1e6);
+            let mut allowed = Vec::new();
+            mask.iter_set_entries(|i| allowed.push(i as u32));
+            if allowed.is_empty() || allowed.contains(&eos) {
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if m.consume(allowed[(x % allowed.len() as u64) as usize]).is_err() {
+                break;
+            }
+        }
+    }
+    Ok(vec![
+        timing(&format!("grammar: compile a tool-call JSON schema ({vocab}-token vocabulary)"), compile, None),
+        timing("grammar: same schema again (compiled-grammar cache hit)", cached, None),
+        timing(&format!("grammar: token mask ({vocab}-token vocabulary)"), masks, None),
+    ])
 }
 
 pub fn print(timings: &[Timing]) {
@@ -200,7 +264,9 @@ pub fn print(timings: &[Timing]) {
             t.ratio_vs_native.map_or("-".into(), |r| format!("{r:.1}×"))
         );
     }
-    println!("grammar masks: the native grammar engine (llguidance) is not linked yet — no mask timings in this build");
+    if !timings.iter().any(|t| t.what.starts_with("grammar")) {
+        println!("grammar: pass --tokenizer <dir> (e.g. the Kimi tokenizer) for compile and mask timings");
+    }
 }
 
 /// The host's native logits source (vectorised reductions), for the native sampler baseline.

@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod bench_plugins;
 pub mod bench_tokenizer;
+pub mod grammar;
 pub mod inspect;
 pub mod model;
 pub mod plugins;

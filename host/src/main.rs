@@ -123,6 +123,9 @@ enum BenchCommand {
         /// Sequences per sampler step.
         #[arg(long, default_value_t = 16)]
         batch: usize,
+        /// Tokenizer for the grammar-mask timings (the Kimi vocabulary is the real test).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -275,8 +278,8 @@ fn main() -> Result<()> {
                 std::process::exit(2);
             }
         }
-        Command::Bench(BenchCommand::Plugins { steps, batch, json }) => {
-            let t = kimi_host::bench_plugins::bench_plugins(steps, batch)?;
+        Command::Bench(BenchCommand::Plugins { steps, batch, tokenizer, json }) => {
+            let t = kimi_host::bench_plugins::bench_plugins(steps, batch, tokenizer.as_deref())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&t)?);
             } else {

@@ -51,7 +51,7 @@ fn custom_sampler_example_builds_loads_and_samples() {
     let compiled = rt.load(&wasm.display().to_string(), &bytes).expect("loads from its file path");
     assert_eq!(compiled.kind, PluginKind::Sampler);
     let plugin = Arc::new(SamplerPlugin::new(rt, &compiled).expect("sampler"));
-    let env = Arc::new(PluginEnv { vocab_size: 100, eos_tokens: vec![99], tokenizer: None });
+    let env = Arc::new(PluginEnv::bare(100, vec![99]));
     let mut ts = TenantSampler::new(plugin, env, Arc::new(TenantServices::default()), "t");
     let inst = ts.instance().expect("instance");
     assert_eq!(inst.caps.name, "typical-sampler");
@@ -99,7 +99,7 @@ fn python_policy_example_builds_and_runs() {
     assert!(report.imports.iter().all(|i| i.starts_with("kimi:host/")), "no WASI at all: {:?}", report.imports);
     let compiled = rt.load("python-policy", &bytes).expect("loads");
     let policy = PolicyPlugin::new(rt, &compiled).expect("policy");
-    let env = Arc::new(PluginEnv { vocab_size: 512, eos_tokens: vec![258], tokenizer: None });
+    let env = Arc::new(PluginEnv::bare(512, vec![258]));
     let svc = Arc::new(TenantServices::default());
     let meta = |max: u32| RequestMeta {
         tenant: "acme".into(),

@@ -16,7 +16,7 @@ fn runtime(cache: &tempfile::TempDir) -> Arc<PluginRuntime> {
 }
 
 fn env(vocab: u32) -> Arc<PluginEnv> {
-    Arc::new(PluginEnv { vocab_size: vocab, eos_tokens: vec![vocab - 1], tokenizer: None })
+    Arc::new(PluginEnv::bare(vocab, vec![vocab - 1]))
 }
 
 fn req(tenant: &str) -> RequestInfo {

@@ -15,7 +15,7 @@ fn policy(name: &str) -> PolicyPlugin {
 }
 
 fn env() -> Arc<PluginEnv> {
-    Arc::new(PluginEnv { vocab_size: 512, eos_tokens: vec![258], tokenizer: None })
+    Arc::new(PluginEnv::bare(512, vec![258]))
 }
 
 fn meta(key: &str, prompt: u32, max: u32) -> RequestMeta {

@@ -11,6 +11,7 @@ use wasmtime::{ResourceLimiter, StoreLimits};
 use super::bindings::host::kimi::host::{
     clock, grammar_engine, kv, log, logits, metrics, rate_limit, tokenizer, types,
 };
+use crate::grammar::GrammarEngine;
 use crate::tokenizer::Tokenizer;
 
 /// What the served model offers plugins: logits width, stop tokens, tokenizer.
@@ -18,13 +19,20 @@ pub struct PluginEnv {
     pub vocab_size: u32,
     pub eos_tokens: Vec<u32>,
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// The native grammar engine over this tokenizer (when one is loaded).
+    pub grammar: Option<Arc<GrammarEngine>>,
 }
 
 impl PluginEnv {
+    /// An environment with no tokenizer (tests, benches): only the vocabulary width and EOS.
+    pub fn bare(vocab_size: u32, eos_tokens: Vec<u32>) -> PluginEnv {
+        PluginEnv { vocab_size, eos_tokens, tokenizer: None, grammar: None }
+    }
+
     /// An environment from a tokenizer: vocab = its size, stop token `<|end_of_msg|>`.
     pub fn from_tokenizer(tok: Arc<Tokenizer>, vocab_size: u32) -> PluginEnv {
         let eos = tok.special_id("<|end_of_msg|>").into_iter().collect();
-        PluginEnv { vocab_size, eos_tokens: eos, tokenizer: Some(tok) }
+        PluginEnv { vocab_size, eos_tokens: eos, tokenizer: Some(tok), grammar: None }
     }
 }
 
@@ -375,7 +383,10 @@ impl logits::HostStepLogits for HostState {
 
 impl grammar_engine::Host for HostState {
     fn validate(&mut self, c: grammar_engine::Constraint) -> wasmtime::Result<Option<String>> {
-        Ok(crate::plugins::grammar_check::validate(&c))
+        if let Some(err) = crate::plugins::grammar_check::validate(&c) {
+            return Ok(Some(err));
+        }
+        Ok(self.env.grammar.as_ref().and_then(|g| g.validate(&crate::plugins::grammar_check::to_native(c))))
     }
 }
 

@@ -1,0 +1,86 @@
+//! The native grammar engine (llguidance) over the real Kimi vocabulary: every token chosen
+//! under its masks yields output that satisfies the constraint.
+
+mod common;
+
+use std::sync::Arc;
+
+use kimi_host::grammar::{Constraint, GrammarEngine};
+use kimi_host::tokenizer::Tokenizer;
+
+fn engine() -> (Arc<Tokenizer>, GrammarEngine) {
+    let tok = Arc::new(Tokenizer::load(&common::golden_dir().join("../tokenizer/kimi")).expect("tokenizer"));
+    let eos = tok.special_id("<|end_of_msg|>").expect("eos");
+    let g = GrammarEngine::new(tok.clone(), 163_840, eos).expect("engine");
+    (tok, g)
+}
+
+/// Walks the constraint choosing pseudo-random allowed tokens until EOS; returns the text.
+fn walk(tok: &Tokenizer, g: &GrammarEngine, c: &Constraint, seed: u64) -> String {
+    let eos = tok.special_id("<|end_of_msg|>").expect("eos");
+    let mut m = g.matcher(c).expect("compiles");
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::new();
+    for _ in 0..400 {
+        let mask = m.mask().expect("mask");
+        let mut allowed = Vec::new();
+        mask.iter_set_entries(|i| allowed.push(i as u32));
+        assert!(!allowed.is_empty(), "dead end after {:?}", tok.decode(&out));
+        if allowed.contains(&eos) {
+            break;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = allowed[(x % allowed.len() as u64) as usize];
+        m.consume(t).expect("consume");
+        out.push(t);
+    }
+    assert!(m.is_accepting(), "not accepting after {:?}", tok.decode(&out));
+    tok.decode(&out).expect("decode")
+}
+
+#[test]
+fn masks_keep_output_inside_json_schema_regex_and_choice() {
+    let (tok, g) = engine();
+    let schema = r#"{"type":"object","properties":{"city":{"type":"string","maxLength":6},
+        "days":{"type":"integer","minimum":1,"maximum":7},"unit":{"enum":["c","f"]}},
+        "required":["city","days","unit"],"additionalProperties":false}"#;
+    let c = Constraint::JsonSchema(schema.into());
+    for seed in 1..=6 {
+        let text = walk(&tok, &g, &c, seed);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let days = v["days"].as_i64().expect("days");
+        assert!((1..=7).contains(&days), "{text}");
+        assert!(v["city"].as_str().is_some_and(|s| s.chars().count() <= 6), "{text}");
+        assert!(matches!(v["unit"].as_str(), Some("c" | "f")), "{text}");
+        assert_eq!(v.as_object().map(|o| o.len()), Some(3), "{text}");
+    }
+    let re = regex::Regex::new(r"^[0-9]{3}-[a-z]{2,4}$").expect("regex");
+    for seed in 1..=4 {
+        let text = walk(&tok, &g, &Constraint::Regex("[0-9]{3}-[a-z]{2,4}".into()), seed);
+        assert!(re.is_match(&text), "{text:?}");
+    }
+    let choice = Constraint::Choice(vec!["yes".into(), "no".into(), "<|open|> maybe".into()]);
+    for seed in 1..=4 {
+        let text = walk(&tok, &g, &choice, seed);
+        assert!(["yes", "no", "<|open|> maybe"].contains(&text.as_str()), "{text:?}");
+    }
+}
+
+#[test]
+fn invalid_constraints_are_reported_not_panicked() {
+    let (_tok, g) = engine();
+    assert!(g.validate(&Constraint::JsonSchema("{\"type\": \"object\"}".into())).is_none());
+    assert!(g.validate(&Constraint::JsonSchema("{not json".into())).is_some());
+    assert!(g.validate(&Constraint::Lark("start: ( ".into())).is_some());
+    assert!(g.validate(&Constraint::Choice(vec![])).is_some());
+    // Compiled once, then cloned from the cache: a second matcher starts fresh.
+    let c = Constraint::Regex("ab+".into());
+    let mut a = g.matcher(&c).expect("a");
+    let b = g.matcher(&c).expect("b");
+    let tok_a = 64; // 'a'
+    a.consume(tok_a).expect("consume");
+    let mut b = b;
+    assert!(!b.is_accepting());
+}
