@@ -5,16 +5,21 @@
 pub mod bindings;
 pub mod builtin;
 pub mod error;
+pub mod grammar;
 pub mod grammar_check;
 pub mod health;
 pub mod host;
+pub mod oneshot;
 pub mod policy;
 pub mod runtime;
 pub mod sampler;
+pub mod template;
 
 pub use error::PluginError;
+pub use grammar::{GrammarPlugin, GrammarRequest};
 pub use health::PluginHealth;
 pub use host::{PluginEnv, TenantServices};
 pub use policy::{Admission, PolicyPlugin, Rejection, RequestMeta};
 pub use runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, RuntimeOptions};
 pub use sampler::{SamplerInstance, SamplerPlugin, SeqHandle, TenantSampler};
+pub use template::{OutputEvent, OutputParser, Rendered, TemplatePlugin, ToolCall};
