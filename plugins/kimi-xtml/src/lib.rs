@@ -199,7 +199,10 @@ fn content_parts(m: &Map<String, Value>) -> Result<Vec<String>, RenderError> {
 }
 
 /// A tool call's (name, arguments as a JSON object or a raw non-JSON string).
-fn call_parts(call: &Value) -> Result<(String, Result<Map<String, Value>, String>), RenderError> {
+/// Call arguments: a JSON object, or (not valid JSON) the raw string.
+type CallArgs = Result<Map<String, Value>, String>;
+
+fn call_parts(call: &Value) -> Result<(String, CallArgs), RenderError> {
     let f = call.get("function").unwrap_or(call);
     let name =
         f.get("name").and_then(Value::as_str).ok_or_else(|| RenderError("tool call without a function name".into()))?;
