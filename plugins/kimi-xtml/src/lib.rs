@@ -3,6 +3,8 @@
 //! system messages and the generation prompt — as segments, so that user text can never become
 //! a control token. Only the four markers are special segments.
 
+pub mod parse;
+
 use serde_json::{Map, Value};
 
 /// A piece of the prompt: ordinary text (never a special token) or a special token by name.
