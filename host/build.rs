@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Components produced by the plugins workspace (crate name with `_`).
-const PLUGINS: &[&str] = &["sampler_standard", "policy_limits", "policy_kimi_vendor", "test_hostile"];
+const PLUGINS: &[&str] =
+    &["sampler_standard", "policy_limits", "policy_kimi_vendor", "template_kimi_k3", "test_hostile"];
 
 fn main() {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));

@@ -89,6 +89,10 @@ pub const VERSION: &str = "0.1.0";
 /// Imports that Rust's std links into every wasm32-wasip2 component; defined as traps.
 const TRAP_STUB_PREFIXES: [&str; 2] = ["wasi:cli/", "wasi:io/"];
 
+/// `insecure-seed` seeds std's `HashMap` hasher (no data leaves the host, nothing is reachable
+/// through it), so it is answered with a fixed seed rather than refused.
+const INSECURE_SEED_PREFIX: &str = "wasi:random/insecure-seed@";
+
 #[derive(Clone, Debug)]
 pub struct RuntimeOptions {
     /// Pooling allocator (fast instantiation, bounded memory) or on-demand allocation.
@@ -281,6 +285,22 @@ impl PluginRuntime {
                 _ => {}
             }
         }
+        let seeds: Vec<String> = component
+            .component_type()
+            .imports(&self.engine)
+            .map(|(n, _)| n.to_string())
+            .filter(|n| n.starts_with(INSECURE_SEED_PREFIX))
+            .collect();
+        for name in seeds {
+            linker
+                .instance(&name)
+                .and_then(|mut i| {
+                    i.func_wrap("insecure-seed", |_store, (): ()| {
+                        Ok(((0x243f_6a88_85a3_08d3u64, 0x1319_8a2e_0370_7344u64),))
+                    })
+                })
+                .map_err(err)?;
+        }
         linker.define_unknown_imports_as_traps(component).map_err(err)?;
         Ok(linker)
     }
@@ -325,7 +345,7 @@ fn classify(imports: &[String], exports: &[String]) -> Result<PluginKind, String
     };
     // Imports first: anything outside our package (but the std-only stubs) is refused by name.
     for imp in imports {
-        if TRAP_STUB_PREFIXES.iter().any(|p| imp.starts_with(p)) {
+        if TRAP_STUB_PREFIXES.iter().any(|p| imp.starts_with(p)) || imp.starts_with(INSECURE_SEED_PREFIX) {
             continue;
         }
         let known = iface(imp).is_some_and(|i| PluginKind::ALL.iter().any(|k| k.imports().contains(&i.as_str())));
