@@ -128,11 +128,10 @@ fn options_and_check(body: &Value) -> Result<(RenderOptions, Vec<Value>, Option<
     match &tool_choice {
         None => {}
         Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        Some(Value::String(s)) if s == "required" => {
-            if names.is_empty() {
-                return Err(bad("tool_choice \"required\" needs at least one tool"));
-            }
+        Some(Value::String(s)) if s == "required" && names.is_empty() => {
+            return Err(bad("tool_choice \"required\" needs at least one tool"));
         }
+        Some(Value::String(s)) if s == "required" => {}
         Some(Value::Object(o)) => {
             let n = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
             match n {
