@@ -3,6 +3,7 @@
 //! system messages and the generation prompt — as segments, so that user text can never become
 //! a control token. Only the four markers are special segments.
 
+pub mod grammar;
 pub mod parse;
 
 use serde_json::{Map, Value};
