@@ -6,7 +6,7 @@ use std::process::Command;
 
 /// Components produced by the plugins workspace (crate name with `_`).
 const PLUGINS: &[&str] =
-    &["sampler_standard", "policy_limits", "policy_kimi_vendor", "template_kimi_k3", "test_hostile"];
+    &["sampler_standard", "policy_limits", "policy_kimi_vendor", "template_kimi_k3", "grammar_kimi_k3", "test_hostile"];
 
 fn main() {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));

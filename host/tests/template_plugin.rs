@@ -155,3 +155,39 @@ fn output_parser_resource_parses_generated_ids() {
     let args: Value = serde_json::from_str(&calls[0].arguments_json).expect("json");
     assert_eq!(args, json!({"command": "ls -la", "n": 2}));
 }
+
+#[test]
+fn grammar_plugin_plans_constraints_the_engine_compiles() {
+    use kimi_host::grammar::GrammarEngine;
+    use kimi_host::plugins::{GrammarPlugin, GrammarRequest};
+    let f = fixture();
+    let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None }).expect("runtime");
+    let compiled = rt.load("grammar-kimi-k3", builtin("grammar-kimi-k3").expect("builtin")).expect("loads");
+    let g = GrammarPlugin::new(rt, &compiled).expect("grammar plugin");
+    let engine =
+        GrammarEngine::new(f.tok.clone(), 163_840, f.tok.special_id("<|end_of_msg|>").expect("eos")).expect("engine");
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}}, "required": ["city"]}}}]);
+    let plan = |choice: Value, rf: Option<Value>| {
+        let gr = GrammarRequest {
+            tools_json: Some(tools.to_string()),
+            tool_choice_json: Some(choice.to_string()),
+            response_format_json: rf.map(|r| r.to_string()),
+            thinking_json: Some(json!({"thinking": {"type": "disabled"}}).to_string()),
+        };
+        g.plan(&f.env, &f.svc, &req(&json!({})), &gr)
+    };
+    for (choice, rf) in [
+        (json!("required"), None),
+        (json!("none"), None),
+        (json!({"type": "function", "function": {"name": "get_weather"}}), None),
+        (json!("auto"), Some(json!({"type": "json_object"}))),
+    ] {
+        let c = plan(choice.clone(), rf).expect("plan").expect("a constraint");
+        assert!(engine.validate(&c).is_none(), "{choice}: {:?}", engine.validate(&c));
+    }
+    assert!(plan(json!("auto"), None).expect("plan").is_none(), "auto without a JSON format needs no constraint");
+    let err =
+        plan(json!({"type": "function", "function": {"name": "nope"}}), None).expect_err("unknown tool").to_string();
+    assert!(err.contains("nope"), "{err}");
+}

@@ -6,6 +6,7 @@ pub const BUILTINS: &[(&str, &[u8])] = &[
     ("policy-limits", include_bytes!(concat!(env!("OUT_DIR"), "/policy_limits.wasm"))),
     ("policy-kimi-vendor", include_bytes!(concat!(env!("OUT_DIR"), "/policy_kimi_vendor.wasm"))),
     ("template-kimi-k3", include_bytes!(concat!(env!("OUT_DIR"), "/template_kimi_k3.wasm"))),
+    ("grammar-kimi-k3", include_bytes!(concat!(env!("OUT_DIR"), "/grammar_kimi_k3.wasm"))),
 ];
 
 /// Test-only component that misbehaves on request (loops, hoards memory, panics, bad ids).
