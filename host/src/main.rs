@@ -95,6 +95,18 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Render an OpenAI chat-completions request to prompt ids with a template plugin.
+    Render {
+        /// Directory with tiktoken.model (and optionally tokenizer_config.json).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// The request body (JSON file).
+        #[arg(long)]
+        request: PathBuf,
+        /// Template plugin: builtin:<name> or a component file.
+        #[arg(long, default_value = "builtin:template-kimi-k3")]
+        template: String,
+    },
     /// Plugin tools.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -245,6 +257,52 @@ fn main() -> Result<()> {
             } else {
                 println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
             }
+        }
+        Command::Render { tokenizer, request, template } => {
+            use kimi_host::plugins::bindings::host::kimi::host::types::{RequestInfo, Segment as WitSegment};
+            use kimi_host::tokenizer::Segment;
+            let tok = std::sync::Arc::new(
+                Tokenizer::load(&tokenizer)
+                    .with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?,
+            );
+            let body = std::fs::read_to_string(&request).with_context(|| format!("reading {}", request.display()))?;
+            let bytes =
+                match kimi_host::plugins::builtin::builtin(&template).filter(|_| template.starts_with("builtin:")) {
+                    Some(b) => b.to_vec(),
+                    None => std::fs::read(&template).with_context(|| format!("reading {template}"))?,
+                };
+            let rt = kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions::default())?;
+            let compiled = rt.load(&template, &bytes)?;
+            let plugin = kimi_host::plugins::TemplatePlugin::new(rt, &compiled)?;
+            let env = std::sync::Arc::new(kimi_host::plugins::PluginEnv::from_tokenizer(
+                tok.clone(),
+                tok.vocab_size() as u32,
+            ));
+            let svc = std::sync::Arc::new(kimi_host::plugins::TenantServices::default());
+            let req = RequestInfo {
+                tenant: "local".into(),
+                request_id: "render".into(),
+                model: "kimi".into(),
+                params_json: body.clone(),
+            };
+            let rendered = plugin.render(&env, &svc, &req, &body)?;
+            let mut text = String::new();
+            let segs: Vec<Segment> = rendered
+                .segments
+                .into_iter()
+                .map(|s| match s {
+                    WitSegment::Text(t) => {
+                        text.push_str(&t);
+                        Segment::Text(t)
+                    }
+                    WitSegment::Special(n) => {
+                        text.push_str(&n);
+                        Segment::Special(n)
+                    }
+                })
+                .collect();
+            let ids = tok.encode_segments(&segs)?;
+            println!("{}", serde_json::json!({"ids": ids, "text": text}));
         }
         Command::Plugin(PluginCommand::Check { file, json }) => {
             let bytes = match kimi_host::plugins::builtin::builtin(&file).filter(|_| file.starts_with("builtin:")) {

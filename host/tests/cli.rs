@@ -200,3 +200,41 @@ fn plugin_check_and_bench_plugins_smoke() {
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert!(v.as_array().is_some_and(|a| a.len() >= 5), "{v}");
 }
+
+#[test]
+fn render_command_matches_the_vendor_verifier_ground_truth() {
+    // k3-serving §1.12: Moonshot's 39-id ground truth (thinking disabled, one Chinese message).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let req = dir.path().join("req.json");
+    std::fs::write(
+        &req,
+        r#"{"model":"kimi-k3","messages":[{"role":"user","content":"请用 JSON 格式回答：北京是中国的首都吗？答案需要包含键 capital。"}],"thinking":{"type":"disabled"}}"#,
+    )
+    .expect("write");
+    let out = run_ok(
+        bin()
+            .args(["render", "--tokenizer"])
+            .arg(common::golden_dir().join("../tokenizer/kimi"))
+            .arg("--request")
+            .arg(&req),
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let want = [
+        163587u32, 2778, 6244, 878, 2482, 1, 163589, 2066, 557, 11419, 220, 23595, 9481, 2648, 3372, 118973, 26476,
+        2678, 864, 10726, 1777, 12468, 4160, 10484, 292, 163588, 2778, 163589, 163586, 163587, 2778, 6244, 878, 69702,
+        1, 163589, 163587, 12092, 163589,
+    ];
+    let ids: Vec<u32> = v["ids"].as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect();
+    assert_eq!(ids, want);
+    assert!(v["text"].as_str().is_some_and(|t| t.ends_with("<|open|>response<|sep|>")));
+    // A bad request is a clear error.
+    std::fs::write(&req, r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#).expect("write");
+    let o = bin()
+        .args(["render", "--tokenizer"])
+        .arg(common::golden_dir().join("../tokenizer/kimi"))
+        .arg("--request")
+        .arg(&req)
+        .output()
+        .expect("run");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("required"));
+}
