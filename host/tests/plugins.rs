@@ -1,6 +1,8 @@
 //! The plugin platform: sandbox limits with hostile components, tenant isolation, and the
 //! standard sampler's correctness (determinism, greedy, exact distributions).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -202,32 +204,6 @@ fn sampler_standard_is_deterministic_and_greedy_at_temperature_zero() {
     assert!(err.contains("top_p"), "{err}");
 }
 
-/// Exact distribution of the standard sampler's definition, by brute force over the row.
-fn exact(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: f64) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..row.len()).collect();
-    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    let z: f64 = row.iter().map(|&l| (l as f64 / t).exp()).sum();
-    let probs: Vec<f64> = order.iter().map(|&i| (row[i] as f64 / t).exp() / z).collect();
-    let mut keep = if top_k > 0 { top_k.min(row.len()) } else { row.len() };
-    let s: f64 = probs[..keep].iter().sum();
-    let mut cum = 0.0;
-    for (i, p) in probs[..keep].iter().enumerate() {
-        cum += p / s;
-        if cum >= top_p {
-            keep = i + 1;
-            break;
-        }
-    }
-    let floor = min_p * probs[0];
-    keep = probs[..keep].iter().take_while(|&&p| p >= floor).count().max(1);
-    let s: f64 = probs[..keep].iter().sum();
-    let mut out = vec![0.0; row.len()];
-    for (j, &i) in order.iter().enumerate().take(keep) {
-        out[i] = probs[j] / s;
-    }
-    out
-}
-
 #[test]
 fn sampler_standard_distributions_match_exact_ones_chi_square() {
     let cache = tempfile::tempdir().expect("tempdir");
@@ -241,7 +217,7 @@ fn sampler_standard_distributions_match_exact_ones_chi_square() {
         (r#"{"temperature": 1.2, "min_p": 0.1}"#, 1.2, 0, 1.0, 0.1),
         (r#"{"temperature": 1.0}"#, 1.0, 0, 1.0, 0.0),
     ] {
-        let want = exact(&row, t, k, p, m);
+        let want = common::exact_distribution(&row, t, k, p, m);
         let inst = ts.instance().expect("instance");
         let seq = inst.create_sequence(&req("t"), params, 5).expect("seq");
         let n = 20_000;

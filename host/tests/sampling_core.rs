@@ -2,36 +2,12 @@
 //! and empirical distributions against brute force (chi-square). The same code runs inside the
 //! `sampler-standard` plugin (see `plugins.rs` for the plugin-side chi-square test).
 
+mod common;
+
 use kimi_sampling_core::{Params, SeqState, SliceLogits, top_k};
 
 fn exact(logits: &[f32], p: &Params) -> Vec<f64> {
-    // Brute force over the full row: the definition the candidate algorithm must equal.
-    let t = p.temperature as f64;
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    let z: f64 = logits.iter().map(|&l| (l as f64 / t).exp()).sum();
-    let mut probs: Vec<f64> = order.iter().map(|&i| (logits[i] as f64 / t).exp() / z).collect();
-    let mut keep = probs.len();
-    if p.top_k > 0 {
-        keep = keep.min(p.top_k as usize);
-    }
-    let s: f64 = probs[..keep].iter().sum();
-    let mut cum = 0.0;
-    if let Some(i) = probs[..keep].iter().position(|pr| {
-        cum += pr / s;
-        cum >= p.top_p as f64
-    }) {
-        keep = i + 1;
-    }
-    let floor = p.min_p as f64 * probs[0];
-    keep = probs[..keep].iter().take_while(|&&x| x >= floor).count().max(1);
-    let s: f64 = probs[..keep].iter().sum();
-    let mut out = vec![0.0; logits.len()];
-    for (j, &i) in order.iter().enumerate().take(keep) {
-        out[i] = probs[j] / s;
-    }
-    probs.clear();
-    out
+    common::exact_distribution(logits, p.temperature as f64, p.top_k as usize, p.top_p as f64, p.min_p as f64)
 }
 
 #[test]

@@ -181,17 +181,24 @@ impl SamplerInstance {
         self.arm()?;
         let vocab = self.store.data().env.vocab_size;
         let k = self.caps.max_candidates as usize;
-        let stats: Vec<_> = rows.iter().map(|r| row_stats(r.1)).collect();
+        // Per-row host work (stats and candidates over the full row); in parallel when rows are
+        // large enough for the hand-off to pay.
+        let prep = |logits: &[f32]| (row_stats(logits), kimi_kernels::cpu::reduce::top_k(logits, k));
+        let total: usize = rows.iter().map(|r| r.1.len()).sum();
+        let prepared: Vec<_> = if rows.len() > 1 && total >= 1 << 18 {
+            use rayon::prelude::*;
+            rows.par_iter().map(|r| prep(r.1)).collect()
+        } else {
+            rows.iter().map(|r| prep(r.1)).collect()
+        };
+        let stats: Vec<_> = prepared.iter().map(|p| p.0).collect();
         let wit_rows: Vec<Row> = rows
             .iter()
-            .zip(&stats)
-            .map(|((seq, logits), st)| Row {
+            .zip(prepared)
+            .map(|((seq, _), (st, cands))| Row {
                 seq: seq.0,
-                candidates: kimi_kernels::cpu::reduce::top_k(logits, k)
-                    .into_iter()
-                    .map(|(token, logit)| Candidate { token, logit })
-                    .collect(),
-                stats: *st,
+                candidates: cands.into_iter().map(|(token, logit)| Candidate { token, logit }).collect(),
+                stats: st,
             })
             .collect();
         let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
@@ -205,6 +212,8 @@ impl SamplerInstance {
             }
         };
         let rep = handle.rep();
+        // The deadline covers the guest's work only, not the host's preparation above.
+        set_deadline(&mut self.store, self.limits.call);
         let t = Instant::now();
         let r =
             self.bindings.kimi_host_sampler_plugin().call_sample(&mut self.store, &wit_rows, Resource::new_borrow(rep));

@@ -86,3 +86,29 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
     assert!(d <= tol, "{name}: max |Δ| = {d} exceeds tolerance {tol}");
     d
 }
+
+/// The standard sampler's definition by brute force over a whole row: temperature, then top-k,
+/// then top-p (smallest prefix reaching p after top-k renormalisation), then min-p.
+pub fn exact_distribution(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: f64) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let z: f64 = row.iter().map(|&l| (l as f64 / t).exp()).sum();
+    let probs: Vec<f64> = order.iter().map(|&i| (row[i] as f64 / t).exp() / z).collect();
+    let mut keep = if top_k > 0 { top_k.min(row.len()) } else { row.len() };
+    let s: f64 = probs[..keep].iter().sum();
+    let mut cum = 0.0;
+    if let Some(i) = probs[..keep].iter().position(|p| {
+        cum += p / s;
+        cum >= top_p
+    }) {
+        keep = i + 1;
+    }
+    let floor = min_p * probs[0];
+    keep = probs[..keep].iter().take_while(|&&p| p >= floor).count().max(1);
+    let s: f64 = probs[..keep].iter().sum();
+    let mut out = vec![0.0; row.len()];
+    for (j, &i) in order.iter().enumerate().take(keep) {
+        out[i] = probs[j] / s;
+    }
+    out
+}
