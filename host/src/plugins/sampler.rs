@@ -60,7 +60,15 @@ impl SamplerPlugin {
             .kimi_host_sampler_plugin()
             .call_describe(&mut store)
             .map_err(|e| call_error(&self.name, &self.limits, e))?;
-        Ok(SamplerInstance { name: self.name.clone(), store, bindings, caps, limits: self.limits, poisoned: false })
+        Ok(SamplerInstance {
+            name: self.name.clone(),
+            store,
+            bindings,
+            caps,
+            limits: self.limits,
+            poisoned: false,
+            last_call: std::time::Duration::ZERO,
+        })
     }
 }
 
@@ -74,6 +82,7 @@ pub struct SamplerInstance {
     pub caps: Capabilities,
     limits: KindLimits,
     poisoned: bool,
+    last_call: std::time::Duration,
 }
 
 /// Maps a wasmtime error from a call to a plugin error naming the plugin.
@@ -105,6 +114,11 @@ fn guest_error(plugin: &str, e: GuestError) -> PluginError {
 }
 
 impl SamplerInstance {
+    /// Duration of the guest part of the last `sample` call (host preparation excluded).
+    pub fn last_call_time(&self) -> std::time::Duration {
+        self.last_call
+    }
+
     /// True after a trap: the instance must be discarded.
     pub fn is_poisoned(&self) -> bool {
         self.poisoned
@@ -218,6 +232,7 @@ impl SamplerInstance {
         let r =
             self.bindings.kimi_host_sampler_plugin().call_sample(&mut self.store, &wit_rows, Resource::new_borrow(rep));
         let elapsed = t.elapsed();
+        self.last_call = elapsed;
         self.store.data_mut().step.clear();
         let _ = self.store.data_mut().table.delete(handle);
         if let Some(h) = health {
