@@ -229,18 +229,7 @@ fn sampler_standard_distributions_match_exact_ones_chi_square() {
                 counts[r.expect("id") as usize] += 1;
             }
         }
-        let (mut chi2, mut dof) = (0.0, 0);
-        for (c, w) in counts.iter().zip(&want) {
-            if *w > 0.0 {
-                let e = w * n as f64;
-                chi2 += (*c as f64 - e).powi(2) / e;
-                dof += 1;
-            } else {
-                assert_eq!(*c, 0, "{params}: sampled a token the filters exclude");
-            }
-        }
-        let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
-        assert!(chi2 < bound, "{params}: chi2 {chi2:.1} over {dof} dof");
+        common::assert_chi_square(&counts, &want, n, params);
     }
 }
 

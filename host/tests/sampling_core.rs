@@ -44,19 +44,6 @@ fn empirical_distribution_matches_exact() {
         for _ in 0..n {
             counts[s.sample(&mut SliceLogits(&logits), vec![]).unwrap() as usize] += 1;
         }
-        let mut chi2 = 0.0;
-        let mut dof = 0;
-        for (c, w) in counts.iter().zip(&want) {
-            if *w > 0.0 {
-                let e = w * n as f64;
-                chi2 += (*c as f64 - e).powi(2) / e;
-                dof += 1;
-            } else {
-                assert_eq!(*c, 0, "sampled a token outside the kept set ({p:?})");
-            }
-        }
-        // Loose bound: mean dof, sd sqrt(2 dof); 6 sd.
-        let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
-        assert!(chi2 < bound, "{p:?}: chi2 {chi2} over {dof} dof");
+        common::assert_chi_square(&counts, &want, n, &format!("{p:?}"));
     }
 }

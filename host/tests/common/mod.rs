@@ -112,3 +112,21 @@ pub fn exact_distribution(row: &[f32], t: f64, top_k: usize, top_p: f64, min_p: 
     }
     out
 }
+
+/// Chi-square check of sampled `counts` (from `n` draws) against the exact distribution `want`:
+/// no draw may land on a zero-probability token, and the statistic must stay within 6 standard
+/// deviations of its mean (dof). `what` names the case in failure messages.
+pub fn assert_chi_square(counts: &[u32], want: &[f64], n: usize, what: &str) {
+    let (mut chi2, mut dof) = (0.0, 0);
+    for (c, w) in counts.iter().zip(want) {
+        if *w > 0.0 {
+            let e = w * n as f64;
+            chi2 += (*c as f64 - e).powi(2) / e;
+            dof += 1;
+        } else {
+            assert_eq!(*c, 0, "{what}: sampled a token the filters exclude");
+        }
+    }
+    let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
+    assert!(chi2 < bound, "{what}: chi2 {chi2:.1} over {dof} dof");
+}
