@@ -8,7 +8,7 @@ use kimi_host::grammar::{Constraint, GrammarEngine};
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
 use kimi_host::tokenizer::{Segment as TokSegment, Tokenizer};
-use kimi_xtml::grammar::{ToolChoice, output_grammar};
+use kimi_xtml::grammar::{ThinkChannel, ToolChoice, output_grammar};
 use kimi_xtml::parse::{Event, OutputParser, Piece};
 use kimi_xtml::{RenderOptions, Segment, render};
 use serde_json::{Value, json};
@@ -90,6 +90,10 @@ fn generate(h: &Harness, prompt: &[u32], grammar: &str, seed: u64, max_tokens: u
 }
 
 fn parse(h: &Harness, ids: &[u32]) -> Result<Vec<Event>, String> {
+    parse_from(h, ids, false)
+}
+
+fn parse_from(h: &Harness, ids: &[u32], thinking: bool) -> Result<Vec<Event>, String> {
     let sp = |n: &str| h.tok.special_id(n).expect("special");
     let (open, close, sep) = (sp("<|open|>"), sp("<|close|>"), sp("<|sep|>"));
     let pieces: Vec<Piece> = ids
@@ -101,15 +105,19 @@ fn parse(h: &Harness, ids: &[u32]) -> Result<Vec<Event>, String> {
             _ => Piece::Bytes(h.tok.token_bytes(i).unwrap_or_default().to_vec()),
         })
         .collect();
-    let mut p = OutputParser::new(false);
+    let mut p = OutputParser::new(thinking);
     let mut ev = p.feed(&pieces).map_err(|e| e.0)?;
     ev.extend(p.finish().map_err(|e| e.0)?);
     Ok(ev)
 }
 
 fn prompt(h: &Harness, tools: &Value, tool_choice: &str) -> Vec<u32> {
+    prompt_with(h, tools, tool_choice, false)
+}
+
+fn prompt_with(h: &Harness, tools: &Value, tool_choice: &str, thinking: bool) -> Vec<u32> {
     let msgs = vec![json!({"role": "user", "content": "Call the tool with minimal valid arguments."})];
-    let opts = RenderOptions { thinking: false, tool_choice: Some(json!(tool_choice)), ..Default::default() };
+    let opts = RenderOptions { thinking, tool_choice: Some(json!(tool_choice)), ..Default::default() };
     let segs = render(&msgs, Some(tools), &opts).expect("render");
     let segs: Vec<TokSegment> = segs
         .into_iter()
@@ -127,7 +135,9 @@ fn required_tool_calls_always_validate_against_their_schemas() {
     let mut generated = 0;
     for (k, schema) in schemas().into_iter().enumerate() {
         let tools = json!([{"type": "function", "function": {"name": format!("tool_{k}"), "parameters": schema}}]);
-        let grammar = output_grammar(Some(&tools), &ToolChoice::Required, None, false).expect("grammar").expect("some");
+        let grammar = output_grammar(Some(&tools), &ToolChoice::Required, None, ThinkChannel::Off)
+            .expect("grammar")
+            .expect("some");
         let validator = jsonschema::validator_for(&schema).expect("schema");
         let p = prompt(&h, &tools, "required");
         for seed in 0..20 {
@@ -154,7 +164,8 @@ fn json_schema_response_format_and_tool_choice_none() {
                         "score": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer", "score"],
                         "additionalProperties": false});
     let rf = json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": true}});
-    let grammar = output_grammar(None, &ToolChoice::Auto, Some(&rf), false).expect("grammar").expect("some");
+    let grammar =
+        output_grammar(None, &ToolChoice::Auto, Some(&rf), ThinkChannel::Off).expect("grammar").expect("some");
     let validator = jsonschema::validator_for(&schema).expect("schema");
     let tools = json!([{"type": "function", "function": {"name": "bash", "parameters": {"type": "object",
                         "properties": {"command": {"type": "string", "maxLength": 8}}, "required": ["command"]}}}]);
@@ -168,12 +179,42 @@ fn json_schema_response_format_and_tool_choice_none() {
         assert!(validator.is_valid(&v), "seed {seed}: {v}");
         assert!(!content.contains('\n') && !content.contains('\t'), "compact JSON: {content:?}");
     }
-    let none = output_grammar(Some(&tools), &ToolChoice::None, None, false).expect("grammar").expect("some");
+    let none =
+        output_grammar(Some(&tools), &ToolChoice::None, None, ThinkChannel::Off).expect("grammar").expect("some");
     let p = prompt(&h, &tools, "none");
     for seed in 0..10 {
         if let Some(ids) = generate(&h, &p, &none, seed, 300) {
             let events = parse(&h, &ids).expect("parses");
             assert!(!events.iter().any(|e| matches!(e, Event::ToolCall(_))), "tool_choice none produced a call");
+        }
+    }
+}
+
+#[test]
+fn thinking_budget_closes_the_think_channel() {
+    let (_dir, h) = harness();
+    let close = h.tok.special_id("<|close|>").expect("close");
+    for (k, schema) in schemas().into_iter().enumerate().take(4) {
+        let tools = json!([{"type": "function", "function": {"name": format!("tool_{k}"), "parameters": schema}}]);
+        let budget = 6 + 4 * k as u32;
+        let grammar = output_grammar(Some(&tools), &ToolChoice::Required, None, ThinkChannel::Budget(budget))
+            .expect("grammar")
+            .expect("some");
+        let validator = jsonschema::validator_for(&schema).expect("schema");
+        let p = prompt_with(&h, &tools, "required", true);
+        for seed in 0..5 {
+            let ids = generate(&h, &p, &grammar, seed, 1500)
+                .unwrap_or_else(|| panic!("schema {k} seed {seed}: cut off by max_tokens"));
+            // The prompt opened the think channel; its text ends at the first `<|close|>`.
+            let think_len = ids.iter().position(|&t| t == close).expect("think channel closed");
+            assert!(think_len <= budget as usize, "schema {k} seed {seed}: {think_len} reasoning tokens > {budget}");
+            let events = parse_from(&h, &ids, true).unwrap_or_else(|e| panic!("schema {k} seed {seed}: {e}"));
+            let calls: Vec<_> =
+                events.iter().filter_map(|e| if let Event::ToolCall(c) = e { Some(c) } else { None }).collect();
+            assert!(!calls.is_empty(), "schema {k} seed {seed}: no tool call");
+            for c in calls {
+                assert!(validator.is_valid(&c.arguments), "schema {k} seed {seed}: {} does not validate", c.arguments);
+            }
         }
     }
 }

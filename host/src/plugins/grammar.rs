@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::bindings::grammar::GrammarPre;
-pub use super::bindings::grammar::exports::kimi::host::grammar_plugin::GrammarRequest;
+pub use super::bindings::grammar::exports::kimi::host::grammar_plugin::{EffortBudget, GrammarRequest};
 use super::bindings::host::kimi::host::types::RequestInfo;
 use super::error::PluginError;
 use super::grammar_check::to_native;

@@ -16,7 +16,7 @@ pub mod sampler;
 pub mod template;
 
 pub use error::PluginError;
-pub use grammar::{GrammarPlugin, GrammarRequest};
+pub use grammar::{EffortBudget, GrammarPlugin, GrammarRequest};
 pub use health::PluginHealth;
 pub use host::{PluginEnv, TenantServices};
 pub use policy::{Admission, PolicyPlugin, Rejection, RequestMeta};

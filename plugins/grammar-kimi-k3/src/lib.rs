@@ -1,11 +1,13 @@
 //! `builtin:grammar-kimi-k3`: the request's tools, `tool_choice` and `response_format` become a
 //! Lark constraint over the Kimi-K3 output channels (see `kimi-xtml::grammar`), which the host
-//! compiles and enforces natively. `auto` with no JSON response format needs no constraint.
+//! compiles and enforces natively. `auto` with no JSON response format and no thinking budget
+//! needs no constraint.
 
-use kimi_plugin::grammar::exports::kimi::host::grammar_plugin::{Capabilities, GrammarRequest, Guest};
+use kimi_plugin::grammar::exports::kimi::host::grammar_plugin::{Capabilities, EffortBudget, GrammarRequest, Guest};
 use kimi_plugin::grammar::kimi::host::grammar_engine::Constraint;
 use kimi_plugin::grammar::kimi::host::types::{PluginError, RequestInfo};
-use kimi_xtml::grammar::{ToolChoice, output_grammar};
+use kimi_xtml::grammar::{ThinkChannel, ToolChoice, output_grammar};
+use kimi_xtml::thinking::thinking_of;
 use serde_json::Value;
 
 fn parse(what: &str, s: &Option<String>) -> Result<Option<Value>, PluginError> {
@@ -17,13 +19,15 @@ fn parse(what: &str, s: &Option<String>) -> Result<Option<Value>, PluginError> {
     }
 }
 
-/// Thinking is on unless Kimi's `thinking` object or `reasoning_effort: none` turns it off.
-fn thinking_on(t: Option<&Value>) -> bool {
-    let Some(t) = t else { return true };
-    if t.get("reasoning_effort").and_then(Value::as_str) == Some("none") {
-        return false;
+/// The think channel this request opens: off, free, or bounded by the request's
+/// `thinking.budget_tokens` or else the tenant's default for the request's effort.
+fn think_channel(t: Option<&Value>, defaults: &[EffortBudget]) -> Result<ThinkChannel, PluginError> {
+    let t = thinking_of(t.unwrap_or(&Value::Null)).map_err(|e| PluginError::BadConfig(e.0))?;
+    if !t.on {
+        return Ok(ThinkChannel::Off);
     }
-    t.get("thinking").and_then(|x| x.get("type")).and_then(Value::as_str) != Some("disabled")
+    let budget = t.budget_tokens.or_else(|| defaults.iter().find(|d| d.effort == t.effort).map(|d| d.tokens));
+    Ok(budget.map_or(ThinkChannel::Open, ThinkChannel::Budget))
 }
 
 struct KimiK3Grammar;
@@ -39,8 +43,13 @@ impl Guest for KimiK3Grammar {
         let rf = parse("response_format", &g.response_format_json)?;
         let thinking = parse("thinking", &g.thinking_json)?;
         let choice = ToolChoice::from_request(choice.as_ref()).map_err(|e| PluginError::BadConfig(e.0))?;
-        let grammar = output_grammar(tools.as_ref(), &choice, rf.as_ref(), thinking_on(thinking.as_ref()))
-            .map_err(|e| PluginError::BadConfig(e.0))?;
+        let grammar = output_grammar(
+            tools.as_ref(),
+            &choice,
+            rf.as_ref(),
+            think_channel(thinking.as_ref(), &g.thinking_budgets)?,
+        )
+        .map_err(|e| PluginError::BadConfig(e.0))?;
         Ok(grammar.map(Constraint::Lark))
     }
 }

@@ -146,13 +146,25 @@ impl Builder {
     }
 }
 
+/// The think channel the generation prompt opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThinkChannel {
+    /// Thinking is off: the output starts in the response channel.
+    Off,
+    /// Free reasoning of any length.
+    Open,
+    /// Reasoning of at most this many tokens; the constraint then forces the channel closed.
+    Budget(u32),
+}
+
 /// The grammar of everything the model writes after the generation prompt, or None when the
-/// request has nothing to enforce (no forced or forbidden tools, no JSON response format).
+/// request has nothing to enforce (no forced or forbidden tools, no JSON response format, no
+/// thinking budget).
 pub fn output_grammar(
     tools: Option<&Value>,
     tool_choice: &ToolChoice,
     response_format: Option<&Value>,
-    thinking: bool,
+    think: ThinkChannel,
 ) -> Result<Option<String>, RenderError> {
     let tools: Vec<&Value> = tools.and_then(Value::as_array).map(|a| a.iter().collect()).unwrap_or_default();
     let json_response = match response_format.and_then(|r| r.get("type")).and_then(Value::as_str) {
@@ -160,7 +172,7 @@ pub fn output_grammar(
         Some("json_schema") => response_format.and_then(crate::response_schema),
         _ => None,
     };
-    if json_response.is_none() && matches!(tool_choice, ToolChoice::Auto) {
+    if json_response.is_none() && matches!(tool_choice, ToolChoice::Auto) && !matches!(think, ThinkChannel::Budget(_)) {
         return Ok(None);
     }
     let mut b = Builder { rules: Vec::new(), n: 0 };
@@ -196,7 +208,15 @@ pub fn output_grammar(
     } else {
         format!("{response_body} <|close|> \"response\" <|sep|>")
     };
-    let think = if thinking { "text <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> " } else { "" };
+    let think = match think {
+        ThinkChannel::Off => "",
+        ThinkChannel::Open => "text <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> ",
+        ThinkChannel::Budget(n) => {
+            // llguidance ends a `max_tokens` lexeme when its count is spent; `<|close|>` follows.
+            b.rules.push(format!("think_text[max_tokens={n}]: /(?s:.*)/"));
+            "think_text <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> "
+        }
+    };
     b.rules.insert(0, format!("start: {think}{response} {tail} <|close|> \"message\" <|sep|>"));
     Ok(Some(b.rules.join("\n")))
 }

@@ -4,7 +4,9 @@
 //! a control token. Only the four markers are special segments.
 
 pub mod grammar;
+mod media;
 pub mod parse;
+pub mod thinking;
 
 use serde_json::{Map, Value};
 
@@ -19,6 +21,10 @@ pub const OPEN: &str = "<|open|>";
 pub const CLOSE: &str = "<|close|>";
 pub const SEP: &str = "<|sep|>";
 pub const END_OF_MSG: &str = "<|end_of_msg|>";
+pub const MEDIA_BEGIN: &str = "<|media_begin|>";
+pub const MEDIA_CONTENT: &str = "<|media_content|>";
+pub const MEDIA_PAD: &str = "<|media_pad|>";
+pub const MEDIA_END: &str = "<|media_end|>";
 
 #[derive(Clone, Debug)]
 pub struct RenderOptions {
@@ -98,16 +104,29 @@ impl Out {
     }
 
     fn message(&mut self, attrs: &[(&str, &str)], body: &str) {
-        self.message_parts(attrs, &[body.to_string()]);
+        self.message_parts(attrs, vec![Part::Text(body.to_string())]);
     }
 
-    fn message_parts(&mut self, attrs: &[(&str, &str)], parts: &[String]) {
+    fn message_parts(&mut self, attrs: &[(&str, &str)], parts: Vec<Part>) {
         self.open("message", attrs);
         for p in parts {
-            self.text(p.clone());
+            self.part(p);
         }
         self.close("message");
         self.special(END_OF_MSG);
+    }
+
+    fn part(&mut self, p: Part) {
+        match p {
+            Part::Text(t) => self.text(t),
+            Part::Image { width, height } => {
+                self.special(MEDIA_BEGIN);
+                self.text(format!("image {width}x{height}"));
+                self.special(MEDIA_CONTENT);
+                self.special(MEDIA_PAD);
+                self.special(MEDIA_END);
+            }
+        }
     }
 }
 
@@ -183,22 +202,65 @@ fn str_field<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
     m.get(k).and_then(Value::as_str)
 }
 
-/// A message's content as text pieces: a string, or the text parts of an OpenAI parts list in
-/// order. Each part is its own segment (BPE never merges across parts, as in the release).
-fn content_parts(m: &Map<String, Value>) -> Result<Vec<String>, RenderError> {
+/// One piece of a message's content.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    Text(String),
+    /// An image of this original size, rendered as a media block with one `<|media_pad|>` that
+    /// the engine expands to the image's vision embeddings (spec k3-serving §4.2).
+    Image {
+        width: u32,
+        height: u32,
+    },
+}
+
+/// A message's content as pieces: a string, or an OpenAI parts list in order (text and image
+/// parts where they stand). Each text part is its own segment (BPE never merges across parts,
+/// as in the release).
+fn content_parts(m: &Map<String, Value>) -> Result<Vec<Part>, RenderError> {
     match m.get("content") {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::String(s)) => Ok(vec![Part::Text(s.clone())]),
         Some(Value::Array(parts)) => parts
             .iter()
             .map(|p| match p.get("type").and_then(Value::as_str) {
-                Some("text") => Ok(p.get("text").and_then(Value::as_str).unwrap_or("").to_string()),
+                Some("text") => Ok(Part::Text(p.get("text").and_then(Value::as_str).unwrap_or("").to_string())),
+                Some("image_url") => {
+                    let url = p.get("image_url").and_then(|u| u.get("url").or(Some(u))).and_then(Value::as_str);
+                    image_part(url.ok_or_else(|| RenderError("image_url part without a url".into()))?)
+                }
+                Some("image") => image_part(
+                    p.get("image")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| RenderError("image part without a url".into()))?,
+                ),
                 Some(t) => err(format!("content part type `{t}` is not supported by this renderer")),
                 None => err("content part without `type`"),
             })
             .collect(),
         Some(_) => err("message content must be a string or a list of parts"),
     }
+}
+
+/// Tool results get reordered (§1.9), which could swap same-size images: no images there.
+fn content_parts_tool(m: &Map<String, Value>) -> Result<Vec<Part>, RenderError> {
+    Ok(text_parts(m, "tool messages")?.into_iter().map(Part::Text).collect())
+}
+
+fn image_part(url: &str) -> Result<Part, RenderError> {
+    let (width, height) = media::data_uri_image_size(url)?;
+    Ok(Part::Image { width, height })
+}
+
+/// Text parts only (for messages whose content is not a user turn).
+fn text_parts(m: &Map<String, Value>, what: &str) -> Result<Vec<String>, RenderError> {
+    content_parts(m)?
+        .into_iter()
+        .map(|p| match p {
+            Part::Text(t) => Ok(t),
+            Part::Image { .. } => err(format!("images are not allowed in {what}")),
+        })
+        .collect()
 }
 
 /// A tool call's (name, arguments as a JSON object or a raw non-JSON string).
@@ -321,7 +383,7 @@ pub fn render(messages: &[Value], tools: Option<&Value>, opts: &RenderOptions) -
                     if let Some(nm) = name {
                         attrs.push(("name", nm));
                     }
-                    o.message_parts(&attrs, &content_parts(m)?);
+                    o.message_parts(&attrs, content_parts(m)?);
                 }
             }
             "user" => {
@@ -329,7 +391,7 @@ pub fn render(messages: &[Value], tools: Option<&Value>, opts: &RenderOptions) -
                 if let Some(nm) = name {
                     attrs.push(("name", nm));
                 }
-                o.message_parts(&attrs, &content_parts(m)?);
+                o.message_parts(&attrs, content_parts(m)?);
             }
             "assistant" => {
                 tool_index = 0;
@@ -348,7 +410,7 @@ pub fn render(messages: &[Value], tools: Option<&Value>, opts: &RenderOptions) -
                     o.close("think");
                 }
                 o.open("response", &[]);
-                for p in content_parts(m)? {
+                for p in text_parts(m, "assistant messages")? {
                     o.text(p);
                 }
                 o.close("response");
@@ -392,7 +454,7 @@ pub fn render(messages: &[Value], tools: Option<&Value>, opts: &RenderOptions) -
                     .or_else(|| last_calls.get(tool_index - 1).cloned())
                     .ok_or_else(|| RenderError(format!("tool message {n} has no matching tool call")))?;
                 let idx = tool_index.to_string();
-                o.message_parts(&[("role", "tool"), ("tool", &tname), ("index", &idx)], &content_parts(m)?);
+                o.message_parts(&[("role", "tool"), ("tool", &tname), ("index", &idx)], content_parts_tool(m)?);
             }
             other => return err(format!("unknown role `{other}`")),
         }
