@@ -159,7 +159,7 @@ fn output_parser_resource_parses_generated_ids() {
 #[test]
 fn grammar_plugin_plans_constraints_the_engine_compiles() {
     use kimi_host::grammar::GrammarEngine;
-    use kimi_host::plugins::{GrammarPlugin, GrammarRequest};
+    use kimi_host::plugins::{EffortBudget, GrammarPlugin, GrammarRequest};
     let f = fixture();
     let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None }).expect("runtime");
     let compiled = rt.load("grammar-kimi-k3", builtin("grammar-kimi-k3").expect("builtin")).expect("loads");
@@ -174,6 +174,7 @@ fn grammar_plugin_plans_constraints_the_engine_compiles() {
             tool_choice_json: Some(choice.to_string()),
             response_format_json: rf.map(|r| r.to_string()),
             thinking_json: Some(json!({"thinking": {"type": "disabled"}}).to_string()),
+            thinking_budgets: Vec::new(),
         };
         g.plan(&f.env, &f.svc, &req(&json!({})), &gr)
     };
@@ -190,4 +191,84 @@ fn grammar_plugin_plans_constraints_the_engine_compiles() {
     let err =
         plan(json!({"type": "function", "function": {"name": "nope"}}), None).expect_err("unknown tool").to_string();
     assert!(err.contains("nope"), "{err}");
+
+    // A thinking budget (the request's, or the tenant's default for its effort) needs a
+    // constraint even for `auto`: the engine closes the think channel when it is spent.
+    let budgeted = |thinking: Value, defaults: Vec<EffortBudget>| {
+        let gr = GrammarRequest {
+            tools_json: None,
+            tool_choice_json: None,
+            response_format_json: None,
+            thinking_json: Some(thinking.to_string()),
+            thinking_budgets: defaults,
+        };
+        g.plan(&f.env, &f.svc, &req(&json!({})), &gr)
+    };
+    let c = budgeted(json!({"thinking": {"type": "enabled", "budget_tokens": 32}}), vec![]).expect("plan");
+    let c = c.expect("a budget needs a constraint");
+    assert!(engine.validate(&c).is_none(), "{:?}", engine.validate(&c));
+    let low = vec![EffortBudget { effort: "low".into(), tokens: 100 }];
+    assert!(budgeted(json!({"reasoning_effort": "low"}), low.clone()).expect("plan").is_some());
+    assert!(budgeted(json!({"reasoning_effort": "high"}), low.clone()).expect("plan").is_none(), "no default for high");
+    assert!(budgeted(json!({"reasoning_effort": "none"}), low.clone()).expect("plan").is_none(), "thinking off");
+    let err = budgeted(json!({"thinking": {"budget_tokens": -1}}), vec![]).expect_err("bad budget").to_string();
+    assert!(err.contains("budget_tokens"), "{err}");
+}
+
+fn data_uri(bytes: &[u8]) -> String {
+    use base64::Engine;
+    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+fn png(width: u32, height: u32) -> Vec<u8> {
+    let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+    b.extend_from_slice(&width.to_be_bytes());
+    b.extend_from_slice(&height.to_be_bytes());
+    b.extend_from_slice(&[8, 6, 0, 0, 0]);
+    b
+}
+
+#[test]
+fn images_render_as_media_blocks_where_they_stand() {
+    let f = fixture();
+    let image = |url: String| json!({"type": "image_url", "image_url": {"url": url}});
+    // Spec k3-serving §4.2: `<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`,
+    // W×H the original size, one pad for the engine to expand; parts keep the client's order.
+    let jpeg = b"\xff\xd8\xff\xe0\x00\x04\x00\x00\xff\xc0\x00\x11\x08\x02\x00\x02\x00\x03";
+    let body = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "compare "}, image(data_uri(&png(1024, 768))),
+        {"type": "text", "text": " with "}, image(data_uri(jpeg))]}], "thinking": {"type": "disabled"}});
+    let ids = render_ids(&f, &body).expect("renders");
+    let sp = |n: &str| f.tok.special_id(n).expect("special");
+    let (begin, content, pad, end) =
+        (sp("<|media_begin|>"), sp("<|media_content|>"), sp("<|media_pad|>"), sp("<|media_end|>"));
+    let starts: Vec<usize> = ids.iter().enumerate().filter(|(_, t)| **t == begin).map(|(i, _)| i).collect();
+    assert_eq!(starts.len(), 2, "two media blocks");
+    let mut sizes = Vec::new();
+    for &s in &starts {
+        let c = s + ids[s..].iter().position(|&t| t == content).expect("media_content");
+        assert_eq!(&ids[c..c + 3], &[content, pad, end]);
+        sizes.push(f.tok.decode(&ids[s + 1..c]).expect("decode"));
+    }
+    assert_eq!(sizes, ["image 1024x768", "image 512x512"]);
+    let text = f.tok.decode(&ids[..starts[0]]).expect("decode");
+    assert!(text.ends_with("compare "), "{text:?}");
+    // The spec's verified count: `image 512x512` is 5 tokens.
+    let c = starts[1] + ids[starts[1]..].iter().position(|&t| t == content).expect("content");
+    assert_eq!(c - starts[1] - 1, 5);
+
+    for (body, word) in [
+        (json!({"messages": [{"role": "user", "content": [image("https://example.com/cat.png".into())]}]}), "data:"),
+        (json!({"messages": [{"role": "user", "content": [image(data_uri(b"GIF8"))]}]}), "PNG"),
+        (json!({"messages": [{"role": "user", "content": [image("data:image/png;base64,!!".into())]}]}), "base64"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [image(data_uri(&png(8, 8)))]}]}),
+            "tool messages",
+        ),
+    ] {
+        let err = render_ids(&f, &body).expect_err(&body.to_string());
+        assert!(err.contains(word), "{body}: {err}");
+    }
 }

@@ -285,6 +285,10 @@ impl tokenizer::Host for HostState {
             .collect())
     }
 
+    fn is_special(&mut self, ids: Vec<u32>) -> wasmtime::Result<Vec<bool>> {
+        Ok(ids.iter().map(|&i| self.env.tokenizer.as_ref().is_some_and(|t| t.is_special(i))).collect())
+    }
+
     fn encode(&mut self, text: String) -> wasmtime::Result<Vec<u32>> {
         Ok(self.env.tokenizer.as_ref().map(|t| t.encode_text(&text)).unwrap_or_default())
     }

@@ -14,6 +14,7 @@ use kimi_plugin::template::exports::kimi::host::template_plugin::{
 use kimi_plugin::template::kimi::host::tokenizer;
 use kimi_plugin::template::kimi::host::types::{PluginError, RequestInfo, Segment};
 use kimi_xtml::parse::{Event, OutputParser as Xtml, Piece};
+use kimi_xtml::thinking::thinking_of;
 use kimi_xtml::{RenderOptions, render};
 use serde_json::Value;
 
@@ -23,41 +24,8 @@ fn bad(msg: impl Into<String>) -> PluginError {
 
 /// (thinking on, effort) from the request body.
 fn thinking(body: &Value) -> Result<(bool, String), PluginError> {
-    let kw = body.get("chat_template_kwargs");
-    let mut on = kw
-        .and_then(|k| k.get("thinking").or_else(|| k.get("enable_thinking")))
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
-    let mut effort = kw.and_then(|k| k.get("thinking_effort")).and_then(Value::as_str).map(str::to_string);
-    match body.get("reasoning_effort") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(e)) if e == "none" => on = false,
-        Some(Value::String(e)) => effort = Some(e.clone()),
-        Some(v) => return Err(bad(format!("reasoning_effort must be a string, got {v}"))),
-    }
-    match body.get("thinking") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(t)) => {
-            match t.get("type").and_then(Value::as_str) {
-                None | Some("enabled") => on = true,
-                Some("disabled") => on = false,
-                Some(other) => {
-                    return Err(bad(format!("thinking.type must be \"enabled\" or \"disabled\", got \"{other}\"")));
-                }
-            }
-            if let Some(e) = t.get("effort").and_then(Value::as_str) {
-                effort = Some(e.to_string());
-            }
-        }
-        Some(v) => return Err(bad(format!("thinking must be an object, got {v}"))),
-    }
-    let effort = match effort.as_deref().unwrap_or("max") {
-        "low" | "minimal" => "low",
-        "high" | "medium" => "high",
-        "max" | "xhigh" => "max",
-        other => return Err(bad(format!("unsupported reasoning effort \"{other}\" (use low, high or max)"))),
-    };
-    Ok((on, effort.to_string()))
+    let t = thinking_of(body).map_err(|e| bad(e.0))?;
+    Ok((t.on, t.effort))
 }
 
 fn check_tool_list(tools: &Value, seen: &mut Vec<String>, what: &str) -> Result<(), PluginError> {
@@ -244,6 +212,17 @@ impl GuestOutputParser for Parser {
 
     fn feed(&self, ids: Vec<u32>) -> Result<Vec<OutputEvent>, PluginError> {
         let m = &self.markers;
+        // Other control tokens (reserved ids, media markers) are not text: dropped, as a server
+        // skipping special tokens would.
+        let special = tokenizer::is_special(&ids);
+        let ids: Vec<u32> = ids
+            .iter()
+            .zip(special)
+            .filter(|(i, sp)| {
+                !sp || Some(**i) == m.open || Some(**i) == m.close || Some(**i) == m.sep || m.end.contains(i)
+            })
+            .map(|(i, _)| *i)
+            .collect();
         let text_ids: Vec<u32> =
             ids.iter().copied().filter(|i| Some(*i) != m.open && Some(*i) != m.close && Some(*i) != m.sep).collect();
         let mut bytes = tokenizer::token_bytes(&text_ids).into_iter();
