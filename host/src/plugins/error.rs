@@ -15,8 +15,10 @@ pub enum PluginError {
     Trap { plugin: String, msg: String },
     #[error("plugin `{plugin}` returned an invalid result: {msg}")]
     BadReturn { plugin: String, msg: String },
+    /// The plugin reported an error. `client`: the request's fault (bad parameters, unsupported
+    /// or rejected input — HTTP 400), not the plugin's.
     #[error("plugin `{plugin}`: {msg}")]
-    Guest { plugin: String, msg: String },
+    Guest { plugin: String, msg: String, client: bool },
     #[error("plugin `{plugin}` is disabled for this tenant after repeated failures")]
     Disabled { plugin: String },
     #[error("plugin runtime: {0}")]

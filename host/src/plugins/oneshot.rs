@@ -87,10 +87,11 @@ impl<P> OneShot<P> {
 /// A guest-reported error as a plugin error naming the plugin.
 pub fn guest_error(plugin: &str, e: super::bindings::host::kimi::host::types::PluginError) -> PluginError {
     use super::bindings::host::kimi::host::types::PluginError as G;
+    let client = !matches!(e, G::Internal(_));
     let msg = match e {
         G::BadConfig(m) => format!("bad configuration or parameters: {m}"),
         G::Unsupported(m) => format!("unsupported: {m}"),
         G::Rejected(m) | G::Internal(m) => m,
     };
-    PluginError::Guest { plugin: plugin.to_string(), msg }
+    PluginError::Guest { plugin: plugin.to_string(), msg, client }
 }

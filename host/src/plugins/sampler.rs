@@ -104,13 +104,14 @@ fn first_line(s: &str) -> String {
 }
 
 fn guest_error(plugin: &str, e: GuestError) -> PluginError {
+    let client = !matches!(e, GuestError::Internal(_));
     let msg = match e {
         GuestError::BadConfig(m) => format!("bad parameters: {m}"),
         GuestError::Unsupported(m) => format!("unsupported: {m}"),
         GuestError::Rejected(m) => format!("rejected: {m}"),
         GuestError::Internal(m) => m,
     };
-    PluginError::Guest { plugin: plugin.to_string(), msg }
+    PluginError::Guest { plugin: plugin.to_string(), msg, client }
 }
 
 impl SamplerInstance {
@@ -269,11 +270,21 @@ pub struct TenantSampler {
     services: Arc<TenantServices>,
     tenant: String,
     instance: Option<SamplerInstance>,
+    /// Bumped for every new instance: sequence handles from an older one are void.
+    generation: u64,
 }
 
 impl TenantSampler {
     pub fn new(plugin: Arc<SamplerPlugin>, env: Arc<PluginEnv>, services: Arc<TenantServices>, tenant: &str) -> Self {
-        TenantSampler { plugin, health: Arc::default(), env, services, tenant: tenant.to_string(), instance: None }
+        TenantSampler {
+            plugin,
+            health: Arc::default(),
+            env,
+            services,
+            tenant: tenant.to_string(),
+            instance: None,
+            generation: 0,
+        }
     }
 
     /// The live instance, instantiating a fresh one if there is none or the last one failed.
@@ -284,7 +295,10 @@ impl TenantSampler {
         if self.instance.as_ref().is_none_or(|i| i.is_poisoned()) {
             self.instance = None;
             match self.plugin.instantiate(self.env.clone(), self.services.clone(), &self.tenant) {
-                Ok(i) => self.instance = Some(i),
+                Ok(i) => {
+                    self.instance = Some(i);
+                    self.generation += 1;
+                }
                 Err(e) => {
                     self.health.record_failure(true, matches!(e, PluginError::Timeout { .. }));
                     return Err(e);
@@ -292,6 +306,11 @@ impl TenantSampler {
             }
         }
         self.instance.as_mut().ok_or_else(|| PluginError::Runtime("no sampler instance".into()))
+    }
+
+    /// Which instance handles belong to (see `instance`); call after `instance()`.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Records the outcome of a call for the circuit breaker.

@@ -1,0 +1,267 @@
+//! The engine: continuous batching over the model on its own thread. Each step runs one decode
+//! token for every running sequence plus a bounded chunk of prefill (`max_batched_tokens`), masks
+//! constrained rows natively, calls each sampler plugin once for all of its sequences, and streams
+//! tokens to the request's channel. State comes from a pool reserved at admission (`pool`); a
+//! request that does not fit waits (bounded), then fails with `PoolTimeout` (HTTP 429). A request
+//! whose receiver is dropped (client gone) is freed at the next step.
+//!
+//! The HTTP server and the in-process API (`Engine::submit`) share this one engine.
+
+pub mod pool;
+mod step;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::grammar::ConstraintMatcher;
+use crate::model::Model;
+use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
+use crate::plugins::{PluginError, TenantSampler};
+use pool::{StatePool, StateShape};
+
+/// Scheduler limits, fixed at start-up.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most sequences decoding at once.
+    pub max_seqs: usize,
+    /// Most tokens (decode + prefill) one step runs.
+    pub max_batched_tokens: usize,
+    /// Bytes for sequence state (KDA slots and latent pages).
+    pub state_memory: usize,
+    /// How long a request may wait for state before it is refused.
+    pub queue_timeout: Duration,
+    /// Most requests waiting for state; more are refused at once.
+    pub max_waiting: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_seqs: 64,
+            max_batched_tokens: 512,
+            state_memory: 1 << 30,
+            queue_timeout: Duration::from_secs(10),
+            max_waiting: 256,
+        }
+    }
+}
+
+/// How a request's tokens are chosen.
+pub struct SamplingSpec {
+    pub sampler: Arc<Mutex<TenantSampler>>,
+    /// The request's sampling parameters as JSON (OpenAI names), for the plugin.
+    pub params_json: String,
+    /// Sequence `i` of the request is seeded with `seed + i`.
+    pub seed: u64,
+    pub info: RequestInfo,
+}
+
+/// One generation request: `n` sequences continuing the same prompt.
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub n: usize,
+    /// Tokens that end a sequence (emitted, then `Finished(Stop)`).
+    pub stop_tokens: Vec<u32>,
+    /// The request's constraint (each sequence gets its own copy).
+    pub constraint: Option<ConstraintMatcher>,
+    pub sampling: SamplingSpec,
+    /// Log-probabilities: None, or Some(number of alternatives per token).
+    pub logprobs: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The most likely tokens at this position, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was generated.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// A generated token of sequence `index`.
+    Token {
+        index: usize,
+        id: u32,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        index: usize,
+        reason: FinishReason,
+    },
+    /// The request (index None) or one sequence failed.
+    Failed {
+        index: Option<usize>,
+        error: EngineError,
+    },
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    #[error("server busy: no sequence state became free within {0:?}; retry later")]
+    PoolTimeout(Duration),
+    #[error("server busy: too many requests are waiting; retry later")]
+    QueueFull,
+    #[error("request needs state for {tokens} tokens × {n} sequences, more than this server's state memory holds")]
+    TooLarge { tokens: usize, n: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    Plugin(#[from] PluginError),
+    #[error("model: {0}")]
+    Model(String),
+    #[error("constraint: {0}")]
+    Constraint(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+impl EngineError {
+    /// Whether the client should retry later (HTTP 429 / 503) rather than fix the request.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, EngineError::PoolTimeout(_) | EngineError::QueueFull)
+    }
+}
+
+/// Live counters, read by `/metrics` and tests.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub waiting: AtomicUsize,
+    pub running_requests: AtomicUsize,
+    pub running_seqs: AtomicUsize,
+    pub used_slots: AtomicUsize,
+    pub used_pages: AtomicUsize,
+    pub used_bytes: AtomicUsize,
+    pub total_slots: AtomicUsize,
+    pub total_pages: AtomicUsize,
+    pub steps: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+    pub decode_tokens: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub pool_timeouts: AtomicU64,
+}
+
+/// The caller's side of a request: events, and cancellation of single sequences (dropping the
+/// handle cancels them all).
+pub struct GenHandle {
+    pub events: UnboundedReceiver<SeqEvent>,
+    cancel: Arc<Vec<AtomicBool>>,
+}
+
+impl GenHandle {
+    /// Stops sequence `index` at the next step (e.g. a stop string was found in its text).
+    pub fn cancel(&self, index: usize) {
+        if let Some(c) = self.cancel.get(index) {
+            c.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+enum Command {
+    Submit(Box<Pending>),
+    Shutdown { grace: Duration },
+}
+
+struct Pending {
+    req: GenRequest,
+    tx: UnboundedSender<SeqEvent>,
+    cancel: Arc<Vec<AtomicBool>>,
+    enqueued: Instant,
+}
+
+/// Handle to the engine thread.
+pub struct Engine {
+    tx: Mutex<mpsc::Sender<Command>>,
+    pub stats: Arc<EngineStats>,
+    pub config: EngineConfig,
+    pub max_context: usize,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    accepting: AtomicBool,
+    /// An empty pool, to refuse at once what could never fit.
+    empty_pool: StatePool,
+}
+
+impl Engine {
+    /// Sizes the pool and starts the engine thread.
+    pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Arc<Engine>, String> {
+        let shape = StateShape::of(model.text_config());
+        let pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
+        let stats = Arc::new(EngineStats::default());
+        stats.total_slots.store(pool.total_slots, Ordering::Relaxed);
+        stats.total_pages.store(pool.total_pages, Ordering::Relaxed);
+        let empty_pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
+        let max_context = model.text_config().max_position_embeddings;
+        let (tx, rx) = mpsc::channel();
+        let worker = step::Worker::new(model, config.clone(), pool, stats.clone());
+        let thread = std::thread::Builder::new()
+            .name("kimi-engine".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+        Ok(Arc::new(Engine {
+            tx: Mutex::new(tx),
+            stats,
+            config,
+            max_context,
+            thread: Mutex::new(Some(thread)),
+            accepting: AtomicBool::new(true),
+            empty_pool,
+        }))
+    }
+
+    /// Queues a request. Refuses at once when the queue is full, when the request could never
+    /// fit the pool, or during shutdown.
+    pub fn submit(&self, req: GenRequest) -> Result<GenHandle, EngineError> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(EngineError::ShuttingDown);
+        }
+        if req.n == 0 || req.prompt.is_empty() {
+            return Err(EngineError::Invalid("a request needs a prompt and n ≥ 1".into()));
+        }
+        let tokens = req.prompt.len().saturating_add(req.max_tokens);
+        if !self.empty_pool.could_fit(self.empty_pool.reservation(req.n, tokens)) {
+            return Err(EngineError::TooLarge { tokens, n: req.n });
+        }
+        if self.stats.waiting.load(Ordering::Relaxed) >= self.config.max_waiting {
+            return Err(EngineError::QueueFull);
+        }
+        let (tx, rx) = unbounded_channel();
+        let cancel: Arc<Vec<AtomicBool>> = Arc::new((0..req.n).map(|_| AtomicBool::new(false)).collect());
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let pending = Pending { req, tx, cancel: cancel.clone(), enqueued: Instant::now() };
+        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(pending)));
+        if sent.is_err() {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::ShuttingDown);
+        }
+        Ok(GenHandle { events: rx, cancel })
+    }
+
+    /// Stops admitting, lets running sequences finish for up to `grace`, ends the rest with
+    /// `ShuttingDown`, and joins the engine thread. Blocking.
+    pub fn shutdown(&self, grace: Duration) {
+        self.accepting.store(false, Ordering::Relaxed);
+        let _ = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Shutdown { grace });
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.accepting.store(false, Ordering::Relaxed);
+        let _ = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Shutdown { grace: Duration::ZERO });
+    }
+}

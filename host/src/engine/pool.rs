@@ -1,0 +1,143 @@
+//! The state pool: per-sequence model state (a KDA slot — recurrent matrices and conv windows for
+//! every KDA layer — plus MLA latent / indexer-key pages) is reserved up front from a budget fixed
+//! at start-up. A sequence reserves its slot and the pages for `prompt + max_tokens` on admission,
+//! so it can never grow past what was granted; a request that does not fit waits, then gets 429.
+
+use crate::model::TextConfig;
+use crate::model::config::MixerKind;
+
+/// Tokens per latent-cache page.
+pub const PAGE_TOKENS: usize = 16;
+
+/// Bytes of state a sequence needs, from the model's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateShape {
+    /// One KDA slot: recurrent `[H, V, K]` f32 plus conv windows, summed over KDA layers.
+    pub slot_bytes: usize,
+    /// One page: `PAGE_TOKENS` latent rows and indexer keys, summed over MLA layers.
+    pub page_bytes: usize,
+}
+
+impl StateShape {
+    pub fn of(c: &TextConfig) -> StateShape {
+        let kda_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Kda)).count();
+        let mla_layers = c.layer_kinds.len() - kda_layers;
+        let recurrent = c.kda.num_heads * c.kda.head_dim * c.kda.head_dim;
+        let conv = 3 * c.kda.conv_kernel.saturating_sub(1) * c.kda_projection_dim();
+        let per_token = c.latent_width() + c.indexer.as_ref().map_or(0, |i| i.head_dim);
+        StateShape {
+            slot_bytes: 4 * kda_layers * (recurrent + conv),
+            page_bytes: 4 * mla_layers * per_token * PAGE_TOKENS,
+        }
+    }
+
+    pub fn pages_for(tokens: usize) -> usize {
+        tokens.div_ceil(PAGE_TOKENS)
+    }
+}
+
+/// What one sequence holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reservation {
+    pub slots: usize,
+    pub pages: usize,
+}
+
+/// Slot and page accounting for the whole engine (owned by the engine thread). Slots and pages
+/// share one byte budget; slots are also capped by `max_seqs`.
+#[derive(Debug)]
+pub struct StatePool {
+    pub shape: StateShape,
+    pub budget_bytes: usize,
+    pub total_slots: usize,
+    /// Pages the budget would hold with no slots taken (an upper bound, for metrics).
+    pub total_pages: usize,
+    used_slots: usize,
+    used_pages: usize,
+}
+
+impl StatePool {
+    /// Fails when the budget cannot hold one sequence of `min_tokens`.
+    pub fn new(
+        shape: StateShape,
+        budget_bytes: usize,
+        max_seqs: usize,
+        min_tokens: usize,
+    ) -> Result<StatePool, String> {
+        let need_one = shape.slot_bytes + StateShape::pages_for(min_tokens) * shape.page_bytes;
+        if budget_bytes < need_one {
+            return Err(format!(
+                "state memory budget {budget_bytes} B cannot hold one sequence of {min_tokens} tokens ({need_one} B)"
+            ));
+        }
+        let total_slots = max_seqs.min(budget_bytes / shape.slot_bytes.max(1)).max(1);
+        let total_pages = budget_bytes / shape.page_bytes.max(1);
+        Ok(StatePool { shape, budget_bytes, total_slots, total_pages, used_slots: 0, used_pages: 0 })
+    }
+
+    /// The reservation for `n` sequences of up to `tokens` tokens each.
+    pub fn reservation(&self, n: usize, tokens: usize) -> Reservation {
+        Reservation { slots: n, pages: n.saturating_mul(StateShape::pages_for(tokens)) }
+    }
+
+    fn bytes(&self, r: Reservation) -> usize {
+        r.slots.saturating_mul(self.shape.slot_bytes).saturating_add(r.pages.saturating_mul(self.shape.page_bytes))
+    }
+
+    /// Whether `r` could ever fit (in an empty pool).
+    pub fn could_fit(&self, r: Reservation) -> bool {
+        r.slots <= self.total_slots && self.bytes(r) <= self.budget_bytes
+    }
+
+    pub fn try_reserve(&mut self, r: Reservation) -> bool {
+        let bytes = self.used_bytes().saturating_add(self.bytes(r));
+        if self.used_slots + r.slots <= self.total_slots && bytes <= self.budget_bytes {
+            self.used_slots += r.slots;
+            self.used_pages += r.pages;
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn release(&mut self, r: Reservation) {
+        self.used_slots = self.used_slots.saturating_sub(r.slots);
+        self.used_pages = self.used_pages.saturating_sub(r.pages);
+    }
+
+    pub fn used(&self) -> Reservation {
+        Reservation { slots: self.used_slots, pages: self.used_pages }
+    }
+
+    pub fn used_bytes(&self) -> usize {
+        self.used_slots * self.shape.slot_bytes + self.used_pages * self.shape.page_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserves_within_the_budget_and_refuses_past_it() {
+        let shape = StateShape { slot_bytes: 1000, page_bytes: 100 };
+        let mut p = StatePool::new(shape, 10_000, 4, 16).expect("fits");
+        assert_eq!(p.total_slots, 4);
+        let r = p.reservation(1, 33);
+        assert_eq!(r, Reservation { slots: 1, pages: 3 });
+        for _ in 0..4 {
+            assert!(p.try_reserve(r));
+        }
+        assert!(!p.try_reserve(r), "slots exhausted");
+        p.release(r);
+        assert!(p.try_reserve(r));
+        assert_eq!(p.used_bytes(), 4 * 1300);
+        // Bytes run out before slots: 3 × (1000 + 10 pages × 100) > 10,000 − 0.
+        let mut q = StatePool::new(shape, 5_000, 8, 16).expect("fits");
+        let big = q.reservation(1, 10 * PAGE_TOKENS);
+        assert!(q.try_reserve(big) && q.try_reserve(big));
+        assert!(!q.try_reserve(big), "budget exhausted");
+        assert!(!q.could_fit(q.reservation(1, 41 * PAGE_TOKENS)));
+        assert!(StatePool::new(shape, 500, 4, 16).is_err());
+    }
+}

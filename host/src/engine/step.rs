@@ -1,0 +1,534 @@
+//! The engine thread: admission from the waiting queue, one scheduling step at a time, and the
+//! per-step batched sampling.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::pool::{Reservation, StatePool};
+use super::{
+    Command, EngineConfig, EngineError, EngineStats, FinishReason, GenRequest, Pending, SeqEvent, TokenLogprob,
+};
+use crate::grammar::ConstraintMatcher;
+use crate::model::{LogitsFor, Model, SequenceState};
+use crate::plugins::{PluginError, SeqHandle, TenantSampler};
+use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
+
+/// One generated sequence of a running request.
+struct Seq {
+    index: usize,
+    state: SequenceState,
+    sampler_seq: Option<SeqHandle>,
+    matcher: Option<ConstraintMatcher>,
+    generated: usize,
+    /// The token to feed next (None until the first one is sampled).
+    next: Option<u32>,
+    done: bool,
+}
+
+/// A request that holds state from the pool.
+struct Running {
+    req: GenRequest,
+    tx: UnboundedSender<SeqEvent>,
+    cancel: Arc<Vec<AtomicBool>>,
+    reservation: Reservation,
+    sampler_generation: u64,
+    /// Prompt tokens already prefilled into `seqs[0].state`.
+    prefilled: usize,
+    seqs: Vec<Seq>,
+}
+
+impl Running {
+    fn in_prefill(&self) -> bool {
+        self.prefilled < self.req.prompt.len()
+    }
+
+    fn live(&self) -> usize {
+        self.seqs.iter().filter(|s| !s.done).count()
+    }
+}
+
+/// A row to sample: (request, sequence) and its logits.
+struct Row {
+    run: usize,
+    seq: usize,
+    logits: Vec<f32>,
+}
+
+pub(super) struct Worker {
+    model: Arc<Model>,
+    config: EngineConfig,
+    pool: StatePool,
+    stats: Arc<EngineStats>,
+    waiting: VecDeque<Box<Pending>>,
+    running: Vec<Running>,
+    draining: Option<Instant>,
+}
+
+impl Worker {
+    pub(super) fn new(model: Arc<Model>, config: EngineConfig, pool: StatePool, stats: Arc<EngineStats>) -> Worker {
+        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None }
+    }
+
+    pub(super) fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            // Block only when there is nothing to do.
+            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let first = if idle {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first.into_iter().chain(rx.try_iter()) {
+                match cmd {
+                    Command::Submit(p) => {
+                        if self.draining.is_some() {
+                            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+                            let _ = p.tx.send(SeqEvent::Failed { index: None, error: EngineError::ShuttingDown });
+                        } else {
+                            self.waiting.push_back(p);
+                        }
+                    }
+                    Command::Shutdown { grace } => {
+                        self.draining = Some(Instant::now() + grace);
+                        for p in self.waiting.drain(..) {
+                            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+                            let _ = p.tx.send(SeqEvent::Failed { index: None, error: EngineError::ShuttingDown });
+                        }
+                    }
+                }
+            }
+            if let Some(deadline) = self.draining {
+                if self.running.is_empty() {
+                    return;
+                }
+                if Instant::now() >= deadline {
+                    for r in std::mem::take(&mut self.running) {
+                        let _ = r.tx.send(SeqEvent::Failed { index: None, error: EngineError::ShuttingDown });
+                        self.free(r);
+                    }
+                    self.publish();
+                    return;
+                }
+            }
+            self.reap();
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        let used = self.pool.used();
+        s.used_slots.store(used.slots, Ordering::Relaxed);
+        s.used_pages.store(used.pages, Ordering::Relaxed);
+        s.used_bytes.store(self.pool.used_bytes(), Ordering::Relaxed);
+        s.running_requests.store(self.running.len(), Ordering::Relaxed);
+        s.running_seqs.store(self.running.iter().map(Running::live).sum(), Ordering::Relaxed);
+    }
+
+    /// Gives back a finished or abandoned request's state and sampler sequences.
+    fn free(&mut self, mut r: Running) {
+        let mut sampler = r.req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
+        let same = sampler.generation() == r.sampler_generation;
+        for s in &mut r.seqs {
+            if let (Some(h), true) = (s.sampler_seq.take(), same)
+                && let Ok(inst) = sampler.instance()
+            {
+                let _ = inst.drop_sequence(h);
+            }
+        }
+        drop(sampler);
+        self.pool.release(r.reservation);
+    }
+
+    /// Drops requests whose client is gone, and sequences cancelled by their caller.
+    fn reap(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            for s in &mut r.seqs {
+                if !s.done && r.cancel.get(s.index).is_some_and(|c| c.load(Ordering::Relaxed)) {
+                    s.done = true;
+                }
+            }
+            let all_cancelled = r.cancel.iter().all(|c| c.load(Ordering::Relaxed));
+            if r.tx.is_closed() || all_cancelled || (!r.in_prefill() && r.live() == 0) {
+                if r.tx.is_closed() || all_cancelled {
+                    self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                let r = self.running.swap_remove(i);
+                self.free(r);
+            } else {
+                i += 1;
+            }
+        }
+        // Waiting requests: gone clients leave, expired ones get their refusal.
+        let timeout = self.config.queue_timeout;
+        let before = self.waiting.len();
+        let stats = self.stats.clone();
+        self.waiting.retain(|p| {
+            if p.tx.is_closed() {
+                return false;
+            }
+            if p.enqueued.elapsed() > timeout {
+                stats.pool_timeouts.fetch_add(1, Ordering::Relaxed);
+                let _ = p.tx.send(SeqEvent::Failed { index: None, error: EngineError::PoolTimeout(timeout) });
+                return false;
+            }
+            true
+        });
+        self.stats.waiting.fetch_sub(before - self.waiting.len(), Ordering::Relaxed);
+    }
+
+    /// Admits waiting requests in order while the pool and `max_seqs` allow.
+    fn admit(&mut self) {
+        if self.draining.is_some() {
+            return;
+        }
+        while let Some(p) = self.waiting.front() {
+            let n = p.req.n;
+            let live: usize = self.running.iter().map(|r| r.seqs.len().max(r.req.n)).sum();
+            let res = self.pool.reservation(n, p.req.prompt.len() + p.req.max_tokens);
+            if live + n > self.config.max_seqs || !self.pool.try_reserve(res) {
+                break;
+            }
+            let Some(p) = self.waiting.pop_front() else { break };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            match self.start(*p, res) {
+                Ok(r) => self.running.push(r),
+                Err((tx, e)) => {
+                    self.pool.release(res);
+                    let _ = tx.send(SeqEvent::Failed { index: None, error: e });
+                }
+            }
+        }
+    }
+
+    /// Creates the request's sampler sequences (they see the prompt) and its first state.
+    #[allow(clippy::result_large_err)]
+    fn start(&self, p: Pending, res: Reservation) -> Result<Running, (UnboundedSender<SeqEvent>, EngineError)> {
+        let Pending { req, tx, cancel, .. } = p;
+        let mut seqs = Vec::with_capacity(req.n);
+        let generation;
+        {
+            let mut sampler = req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
+            let created: Result<Vec<SeqHandle>, PluginError> = (|| {
+                let inst = sampler.instance()?;
+                let mut hs = Vec::with_capacity(req.n);
+                for i in 0..req.n {
+                    let h = inst.create_sequence(
+                        &req.sampling.info,
+                        &req.sampling.params_json,
+                        req.sampling.seed.wrapping_add(i as u64),
+                    )?;
+                    inst.accept(&h, &req.prompt)?;
+                    hs.push(h);
+                }
+                Ok(hs)
+            })();
+            sampler.observe(&created);
+            let handles = match created {
+                Ok(h) => h,
+                Err(e) => return Err((tx, EngineError::Plugin(e))),
+            };
+            generation = sampler.generation();
+            for (i, h) in handles.into_iter().enumerate() {
+                seqs.push(Seq {
+                    index: i,
+                    // Only sequence 0 is prefilled; the others copy its state afterwards.
+                    state: if i == 0 { self.model.new_state() } else { SequenceState { layers: Vec::new(), len: 0 } },
+                    sampler_seq: Some(h),
+                    matcher: req.constraint.clone(),
+                    generated: 0,
+                    next: None,
+                    done: false,
+                });
+            }
+        }
+        Ok(Running { req, tx, cancel, reservation: res, sampler_generation: generation, prefilled: 0, seqs })
+    }
+
+    /// One scheduling step.
+    fn step(&mut self) {
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let decoding: usize = self.running.iter().filter(|r| !r.in_prefill()).map(Running::live).sum();
+        let mut budget = self.config.max_batched_tokens.saturating_sub(decoding).max(1);
+        // Prefill chunks, oldest request first, within the step's token budget.
+        let mut prefill: Vec<(usize, usize)> = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if r.in_prefill() {
+                let take = (r.req.prompt.len() - r.prefilled).min(budget);
+                budget -= take;
+                prefill.push((i, take));
+            }
+        }
+        let model = self.model.clone();
+        let mut rows: Vec<Row> = Vec::new();
+        let mut failures: Vec<(usize, Option<usize>, EngineError)> = Vec::new();
+
+        // Decode: one token per live sequence, sequences in parallel.
+        {
+            let mut work: Vec<(usize, &mut Seq)> = Vec::new();
+            for (ri, r) in self.running.iter_mut().enumerate() {
+                if r.in_prefill() {
+                    continue;
+                }
+                for s in r.seqs.iter_mut().filter(|s| !s.done && s.next.is_some()) {
+                    work.push((ri, s));
+                }
+            }
+            self.stats.decode_tokens.fetch_add(work.len() as u64, Ordering::Relaxed);
+            let out: Vec<(usize, usize, Result<Vec<f32>, String>)> = work
+                .into_par_iter()
+                .map(|(ri, s)| {
+                    let t = s.next.unwrap_or(0);
+                    let r = model.forward(&[t], &mut s.state, LogitsFor::LastToken, None).map_err(|e| e.to_string());
+                    (ri, s.index, r)
+                })
+                .collect();
+            for (run, seq, r) in out {
+                match r {
+                    Ok(logits) => rows.push(Row { run, seq, logits }),
+                    Err(e) => failures.push((run, Some(seq), EngineError::Model(e))),
+                }
+            }
+        }
+
+        // Prefill chunks; a finished prompt yields the first rows of all `n` sequences.
+        for (ri, take) in prefill {
+            let r = &mut self.running[ri];
+            let chunk = &r.req.prompt[r.prefilled..r.prefilled + take];
+            self.stats.prefill_tokens.fetch_add(take as u64, Ordering::Relaxed);
+            match model.forward(chunk, &mut r.seqs[0].state, LogitsFor::LastToken, None) {
+                Ok(logits) => {
+                    r.prefilled += take;
+                    if !r.in_prefill() {
+                        let base = r.seqs[0].state.clone();
+                        for s in r.seqs.iter_mut().skip(1) {
+                            s.state = base.clone();
+                        }
+                        for s in &r.seqs {
+                            rows.push(Row { run: ri, seq: s.index, logits: logits.clone() });
+                        }
+                    }
+                }
+                Err(e) => failures.push((ri, None, EngineError::Model(e.to_string()))),
+            }
+        }
+
+        for (run, seq, e) in failures {
+            self.fail(run, seq, e);
+        }
+        self.sample(rows);
+    }
+
+    fn fail(&mut self, run: usize, seq: Option<usize>, error: EngineError) {
+        let r = &mut self.running[run];
+        match seq {
+            Some(i) => {
+                if let Some(s) = r.seqs.get_mut(i) {
+                    s.done = true;
+                }
+            }
+            None => r.seqs.iter_mut().for_each(|s| s.done = true),
+        }
+        if seq.is_none() {
+            // A request-level failure during prefill: make sure `reap` frees it.
+            r.prefilled = r.req.prompt.len();
+        }
+        let _ = r.tx.send(SeqEvent::Failed { index: seq, error });
+    }
+
+    /// Masks, samples (one plugin call per sampler per step), checks and emits.
+    fn sample(&mut self, mut rows: Vec<Row>) {
+        rows.retain(|row| self.running.get(row.run).is_some_and(|r| !r.seqs[row.seq].done));
+        // Constrained rows: disallowed tokens to −∞ before the sampler sees them.
+        let mut failures: Vec<(usize, usize, EngineError)> = Vec::new();
+        let mut raw: Vec<Option<Vec<f32>>> = Vec::with_capacity(rows.len());
+        for row in &mut rows {
+            let r = &mut self.running[row.run];
+            let want_logprobs = r.req.logprobs.is_some();
+            let s = &mut r.seqs[row.seq];
+            let Some(m) = s.matcher.as_mut() else {
+                raw.push(None);
+                continue;
+            };
+            match m.mask() {
+                Ok(mask) => {
+                    let mut masked = vec![f32::NEG_INFINITY; row.logits.len()];
+                    let mut any = false;
+                    mask.iter_set_entries(|i| {
+                        if let Some(v) = row.logits.get(i) {
+                            masked[i] = *v;
+                            any = true;
+                        }
+                    });
+                    if !any {
+                        failures.push((row.run, row.seq, EngineError::Constraint("no token is allowed here".into())));
+                    }
+                    let original = std::mem::replace(&mut row.logits, masked);
+                    raw.push(want_logprobs.then_some(original));
+                }
+                Err(e) => {
+                    failures.push((row.run, row.seq, EngineError::Constraint(e.to_string())));
+                    raw.push(None);
+                }
+            }
+        }
+        for (run, seq, e) in failures {
+            self.fail(run, Some(seq), e);
+        }
+
+        // Group rows by sampler (tenant + plugin): one batched call each.
+        let mut groups: Vec<(Arc<Mutex<TenantSampler>>, Vec<usize>)> = Vec::new();
+        for (k, row) in rows.iter().enumerate() {
+            let r = &self.running[row.run];
+            if r.seqs[row.seq].done {
+                continue;
+            }
+            let sampler = &r.req.sampling.sampler;
+            match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, sampler)) {
+                Some(g) => g.1.push(k),
+                None => groups.push((sampler.clone(), vec![k])),
+            }
+        }
+        let mut chosen: Vec<Option<Result<u32, EngineError>>> = (0..rows.len()).map(|_| None).collect();
+        for (sampler, members) in groups {
+            let mut sampler = sampler.lock().unwrap_or_else(|e| e.into_inner());
+            let result = sampler.instance().map(|_| ());
+            let generation = sampler.generation();
+            if let Err(e) = result {
+                for &k in &members {
+                    chosen[k] = Some(Err(EngineError::Plugin(e.clone())));
+                }
+                continue;
+            }
+            // Sequences of a replaced instance lost their sampler state.
+            let (live, stale): (Vec<usize>, Vec<usize>) =
+                members.into_iter().partition(|&k| self.running[rows[k].run].sampler_generation == generation);
+            for k in stale {
+                chosen[k] = Some(Err(EngineError::Plugin(PluginError::Runtime(format!(
+                    "sampler `{}` was restarted after a failure; this sequence's sampler state is gone",
+                    sampler.plugin.name
+                )))));
+            }
+            if live.is_empty() {
+                continue;
+            }
+            let health = sampler.health.clone();
+            let out = {
+                let Ok(inst) = sampler.instance() else { continue };
+                let batch: Vec<(&SeqHandle, &[f32])> = live
+                    .iter()
+                    .filter_map(|&k| {
+                        let row = &rows[k];
+                        let h = self.running[row.run].seqs[row.seq].sampler_seq.as_ref()?;
+                        Some((h, row.logits.as_slice()))
+                    })
+                    .collect();
+                if batch.len() != live.len() {
+                    Err(PluginError::Runtime("a sequence has no sampler state".into()))
+                } else {
+                    inst.sample(&batch, Some(&health))
+                }
+            };
+            sampler.observe(&out);
+            match out {
+                Ok(results) => {
+                    for (&k, r) in live.iter().zip(results) {
+                        sampler.observe(&r);
+                        chosen[k] = Some(r.map_err(EngineError::Plugin));
+                    }
+                }
+                Err(e) => {
+                    for &k in &live {
+                        chosen[k] = Some(Err(EngineError::Plugin(e.clone())));
+                    }
+                }
+            }
+        }
+
+        // Check, accept and emit each token.
+        for (k, row) in rows.iter().enumerate() {
+            let Some(result) = chosen[k].take() else { continue };
+            let token = match result {
+                Ok(t) => t,
+                Err(e) => {
+                    self.fail(row.run, Some(row.seq), e);
+                    continue;
+                }
+            };
+            if !row.logits.get(token as usize).is_some_and(|v| *v > f32::NEG_INFINITY) {
+                let e =
+                    EngineError::Constraint(format!("the sampler chose token {token}, which the constraint forbids"));
+                self.fail(row.run, Some(row.seq), e);
+                continue;
+            }
+            let logprob = {
+                let r = &self.running[row.run];
+                r.req.logprobs.map(|n| {
+                    let full = raw[k].as_deref().unwrap_or(&row.logits);
+                    let lse = log_sum_exp(full, 1.0);
+                    TokenLogprob {
+                        logprob: full[token as usize] - lse,
+                        top: top_k(full, n).into_iter().map(|(t, v)| (t, v - lse)).collect(),
+                    }
+                })
+            };
+            let r = &mut self.running[row.run];
+            let stop = r.req.stop_tokens.contains(&token);
+            let max_tokens = r.req.max_tokens;
+            let max_context = self.model.text_config().max_position_embeddings;
+            let s = &mut r.seqs[row.seq];
+            if let Some(m) = s.matcher.as_mut()
+                && !stop
+                && let Err(e) = m.consume(token)
+            {
+                let e = EngineError::Constraint(e.to_string());
+                self.fail(row.run, Some(row.seq), e);
+                continue;
+            }
+            let s = &mut self.running[row.run].seqs[row.seq];
+            s.generated += 1;
+            s.next = Some(token);
+            {
+                let r = &self.running[row.run];
+                let mut sampler = r.req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
+                if sampler.generation() == r.sampler_generation
+                    && let (Some(h), Ok(inst)) = (r.seqs[row.seq].sampler_seq.as_ref(), sampler.instance())
+                {
+                    let _ = inst.accept(h, &[token]);
+                }
+            }
+            let r = &mut self.running[row.run];
+            let s = &mut r.seqs[row.seq];
+            let _ = r.tx.send(SeqEvent::Token { index: s.index, id: token, logprob });
+            let reason = if stop {
+                Some(FinishReason::Stop)
+            } else if s.generated >= max_tokens || s.state.len >= max_context {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                s.done = true;
+                let _ = r.tx.send(SeqEvent::Finished { index: s.index, reason });
+            }
+        }
+    }
+}

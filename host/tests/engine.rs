@@ -1,0 +1,191 @@
+//! The continuous-batching engine against the model run alone: with greedy sampling through the
+//! builtin sampler plugin, requests batched together, prefilled in small chunks and decoded side by
+//! side give the tokens a one-sequence-at-a-time loop gives; `n > 1` shares one prefill; cancelled
+//! and dropped requests give their state back; a full pool refuses instead of over-allocating.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kimi_host::engine::pool::StateShape;
+use kimi_host::engine::{Engine, EngineConfig, EngineError, FinishReason, GenRequest, SamplingSpec, SeqEvent};
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::model::{LogitsFor, Model};
+use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
+use kimi_host::plugins::builtin::builtin;
+use kimi_host::plugins::{PluginEnv, PluginRuntime, RuntimeOptions, SamplerPlugin, TenantSampler, TenantServices};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: Arc<Model>,
+    sampler: Arc<Mutex<TenantSampler>>,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    make_tiny(dir.path(), &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+    let model = Arc::new(Model::load(dir.path()).expect("model"));
+    let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None }).expect("runtime");
+    let compiled = rt.load("sampler-standard", builtin("sampler-standard").expect("builtin")).expect("loads");
+    let plugin = Arc::new(SamplerPlugin::new(rt, &compiled).expect("sampler"));
+    let env = Arc::new(PluginEnv::bare(model.text_config().vocab_size as u32, vec![]));
+    let sampler = Arc::new(Mutex::new(TenantSampler::new(plugin, env, Arc::new(TenantServices::default()), "t")));
+    Fixture { _dir: dir, model, sampler }
+}
+
+fn request(f: &Fixture, prompt: Vec<u32>, max_tokens: usize, n: usize, params: &str) -> GenRequest {
+    GenRequest {
+        prompt,
+        max_tokens,
+        n,
+        stop_tokens: vec![],
+        constraint: None,
+        sampling: SamplingSpec {
+            sampler: f.sampler.clone(),
+            params_json: params.into(),
+            seed: 42,
+            info: RequestInfo {
+                tenant: "t".into(),
+                request_id: "r".into(),
+                model: "m".into(),
+                params_json: "{}".into(),
+            },
+        },
+        logprobs: None,
+    }
+}
+
+/// Greedy tokens from the model alone (one prefill, then one decode step per token).
+fn reference(model: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut state = model.new_state();
+    let mut logits = model.forward(prompt, &mut state, LogitsFor::LastToken, None).expect("prefill");
+    let mut out = Vec::new();
+    for _ in 0..max_tokens {
+        let (t, _) = kimi_kernels::cpu::reduce::argmax(&logits);
+        out.push(t);
+        logits = model.forward(&[t], &mut state, LogitsFor::LastToken, None).expect("decode");
+    }
+    out
+}
+
+/// Tokens per sequence and finish reasons, until every sequence ended.
+fn drain(h: &mut kimi_host::engine::GenHandle, n: usize) -> Result<Vec<(Vec<u32>, FinishReason)>, EngineError> {
+    let mut toks = vec![Vec::new(); n];
+    let mut reasons = vec![None; n];
+    while reasons.iter().any(Option::is_none) {
+        match h.events.blocking_recv() {
+            Some(SeqEvent::Token { index, id, .. }) => toks[index].push(id),
+            Some(SeqEvent::Finished { index, reason }) => reasons[index] = Some(reason),
+            Some(SeqEvent::Failed { error, .. }) => return Err(error),
+            None => panic!("engine closed the stream early"),
+        }
+    }
+    Ok(toks.into_iter().zip(reasons.into_iter().map(|r| r.expect("reason"))).collect())
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32).map(|i| (0..(9 + 7 * i)).map(|j| (j * 31 + i * 17 + 3) % 256).collect()).collect()
+}
+
+fn wait_idle(e: &Engine) {
+    use std::sync::atomic::Ordering::Relaxed;
+    for _ in 0..500 {
+        if e.stats.used_slots.load(Relaxed) == 0 && e.stats.running_requests.load(Relaxed) == 0 {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("engine still holds state: {:?}", e.stats);
+}
+
+#[test]
+fn batched_chunked_generation_matches_the_model_alone() {
+    let f = fixture();
+    // Small steps force chunked prefill interleaved with other sequences' decode steps.
+    let cfg = EngineConfig { max_batched_tokens: 7, max_seqs: 8, state_memory: 64 << 20, ..Default::default() };
+    let engine = Engine::start(f.model.clone(), cfg).expect("engine");
+    let greedy = r#"{"temperature": 0}"#;
+    let mut handles: Vec<_> =
+        prompts().into_iter().map(|p| engine.submit(request(&f, p, 12, 1, greedy)).expect("submit")).collect();
+    for (p, h) in prompts().iter().zip(&mut handles) {
+        let out = drain(h, 1).expect("generates");
+        assert_eq!(out[0].1, FinishReason::Length);
+        assert_eq!(out[0].0, reference(&f.model, p, 12), "prompt of {} tokens", p.len());
+    }
+    // n = 2 shares the prefill; greedy sequences agree with each other and with the reference.
+    let mut h = engine.submit(request(&f, prompts()[2].clone(), 8, 2, greedy)).expect("submit");
+    let out = drain(&mut h, 2).expect("generates");
+    assert_eq!(out[0].0, reference(&f.model, &prompts()[2], 8));
+    assert_eq!(out[0].0, out[1].0);
+    drop(handles);
+    drop(h);
+    wait_idle(&engine);
+    // Sampled (seeded) sequences of one request differ from each other but repeat across runs.
+    let sampled = r#"{"temperature": 1.0}"#;
+    let run = || {
+        let mut h = engine.submit(request(&f, prompts()[0].clone(), 16, 2, sampled)).expect("submit");
+        drain(&mut h, 2).expect("generates")
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a, b, "same seed, same tokens");
+    assert_ne!(a[0].0, a[1].0, "sequence i is seeded with seed + i");
+    engine.shutdown(Duration::from_secs(5));
+}
+
+#[test]
+fn cancelled_and_dropped_requests_free_their_state() {
+    let f = fixture();
+    let engine =
+        Engine::start(f.model.clone(), EngineConfig { state_memory: 64 << 20, ..Default::default() }).expect("engine");
+    let mut kept = Vec::new();
+    for i in 0..6 {
+        let mut h = engine.submit(request(&f, prompts()[i % 6].clone(), 10_000, 1, "{}")).expect("submit");
+        // Wait for the first token: the request holds state now.
+        assert!(matches!(h.events.blocking_recv(), Some(SeqEvent::Token { .. })));
+        if i % 2 == 0 {
+            h.cancel(0);
+            kept.push(h);
+        } else {
+            drop(h);
+        }
+    }
+    wait_idle(&engine);
+    assert!(engine.stats.cancelled.load(std::sync::atomic::Ordering::Relaxed) >= 6);
+    drop(kept);
+    engine.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn a_full_pool_refuses_after_the_queue_timeout() {
+    let f = fixture();
+    let shape = StateShape::of(f.model.text_config());
+    // Room for exactly two sequences of 64 + 2000 tokens (the holders never get that far: they are
+    // dropped once the late request has been refused).
+    let per_seq = shape.slot_bytes + StateShape::pages_for(2064) * shape.page_bytes;
+    let cfg = EngineConfig {
+        state_memory: 2 * per_seq + shape.page_bytes / 2,
+        max_seqs: 8,
+        queue_timeout: Duration::from_millis(150),
+        ..Default::default()
+    };
+    let engine = Engine::start(f.model.clone(), cfg).expect("engine");
+    let prompt: Vec<u32> = (0..64).collect();
+    let mut holders: Vec<_> =
+        (0..2).map(|_| engine.submit(request(&f, prompt.clone(), 2000, 1, "{}")).expect("submit")).collect();
+    for h in &mut holders {
+        assert!(matches!(h.events.blocking_recv(), Some(SeqEvent::Token { .. })));
+    }
+    let mut late = engine.submit(request(&f, prompt.clone(), 2000, 1, "{}")).expect("queued");
+    match late.events.blocking_recv() {
+        Some(SeqEvent::Failed { index: None, error }) => assert!(error.is_busy(), "{error}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // A request that could never fit is refused at once, not queued.
+    let huge = engine.submit(request(&f, prompt.clone(), 100_000, 1, "{}"));
+    assert!(matches!(huge, Err(EngineError::TooLarge { .. })));
+    drop(holders);
+    wait_idle(&engine);
+    // Freed state is reusable.
+    let mut h = engine.submit(request(&f, prompt, 4, 1, "{}")).expect("submit");
+    assert_eq!(drain(&mut h, 1).expect("runs")[0].0.len(), 4);
+    engine.shutdown(Duration::from_secs(1));
+}
