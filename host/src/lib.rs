@@ -7,9 +7,12 @@
 
 pub mod bench;
 pub mod bench_plugins;
+pub mod bench_serve;
 pub mod bench_tokenizer;
+pub mod engine;
 pub mod grammar;
 pub mod inspect;
 pub mod model;
 pub mod plugins;
+pub mod server;
 pub mod tokenizer;

@@ -107,6 +107,19 @@ enum Command {
         #[arg(long, default_value = "builtin:template-kimi-k3")]
         template: String,
     },
+    /// Serve the OpenAI-compatible API. With no arguments: the embedded tiny model, the builtin
+    /// plugins and one local tenant on 127.0.0.1:8000.
+    Serve {
+        /// Configuration file (see examples/kimi-host.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Checkpoint directory (overrides the file's `model`).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Listen address (overrides the file's `listen`).
+        #[arg(long)]
+        listen: Option<String>,
+    },
     /// Plugin tools.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -151,6 +164,24 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Loopback load test of `serve`: requests/s, output tokens/s, TTFT and inter-token latency,
+    /// over HTTP and through the in-process engine API in the same run.
+    Serve {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Concurrency levels, e.g. 1,8,64.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+        concurrency: Vec<usize>,
+        /// Requests per level (at least the concurrency).
+        #[arg(long, default_value_t = 64)]
+        requests: usize,
+        #[arg(long, default_value_t = 32)]
+        max_tokens: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Prefill and decode tokens/s, with measured memory bandwidth as the baseline.
     Forward {
         #[arg(long)]
@@ -181,9 +212,60 @@ fn load(dir: &Path) -> Result<Model> {
     Model::load(dir).with_context(|| format!("loading model from {}", dir.display()))
 }
 
+/// The server configuration (file or embedded default, flags on top) and its loaded state.
+fn server_state(
+    config: Option<PathBuf>,
+    model: Option<PathBuf>,
+    listen: Option<String>,
+) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
+    use kimi_host::server::{AppState, config::ServeConfig, embedded};
+    let mut cfg = match &config {
+        Some(p) => ServeConfig::load(p)?,
+        None => ServeConfig::embedded_default(),
+    };
+    if let Some(m) = model {
+        cfg.model = Some(m);
+    }
+    if let Some(l) = listen {
+        cfg.listen = l;
+    }
+    cfg.validate()?;
+    if let Some(t) = cfg.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting threads")?;
+    }
+    let model_dir = match &cfg.model {
+        Some(m) => m.clone(),
+        None => {
+            if cfg.model_name.is_none() {
+                cfg.model_name = Some(embedded::MODEL_NAME.to_string());
+            }
+            embedded::ensure_model().map_err(anyhow::Error::msg)?
+        }
+    };
+    let state = std::sync::Arc::new(AppState::build(&cfg, &model_dir)?);
+    Ok((cfg, state))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}
+
+fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>) -> Result<()> {
+    use kimi_host::server::{embedded, serve};
+    let (cfg, state) = server_state(config, model, listen)?;
+    let addr = cfg.listen_addr()?;
+    let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
+    runtime()?.block_on(async move {
+        println!("{}", embedded::usage_examples(&addr.to_string(), &state.model_name));
+        serve(state, addr, grace).await
+    })?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve { config, model, listen } => serve(config, model, listen)?,
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
@@ -350,6 +432,19 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{r}");
+            }
+        }
+        Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
+            let (_, state) = server_state(config, model, None)?;
+            let engine = state.engine.clone();
+            let rows = runtime()?
+                .block_on(kimi_host::bench_serve::bench_serve(state, &concurrency, requests, max_tokens))
+                .map_err(anyhow::Error::msg)?;
+            engine.shutdown(std::time::Duration::from_secs(1));
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                kimi_host::bench_serve::print(&rows);
             }
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode, threads, json }) => {

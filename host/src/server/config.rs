@@ -1,0 +1,306 @@
+//! `kimi-host.toml`: listen address, model, threads, engine pools and tenants (see
+//! `examples/kimi-host.toml` for every field). Errors name the offending key.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::engine::EngineConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path}: {msg}")]
+    Parse { path: PathBuf, msg: String },
+    #[error("config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Checkpoint directory; absent: the embedded tiny default.
+    pub model: Option<PathBuf>,
+    /// Tokenizer directory; absent: the model directory.
+    pub tokenizer: Option<PathBuf>,
+    /// The id clients send as `model` (default: the model directory's name).
+    pub model_name: Option<String>,
+    /// Compute threads (default: all cores).
+    pub threads: Option<usize>,
+    #[serde(default)]
+    pub engine: EngineSection,
+    #[serde(default)]
+    pub limits: LimitsSection,
+    /// Where compiled plugins are cached (default: the user cache directory).
+    pub plugin_cache: Option<PathBuf>,
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8000".into()
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    pub max_seqs: usize,
+    pub max_batched_tokens: usize,
+    /// Bytes for sequence state, e.g. "1GiB".
+    pub state_memory: String,
+    pub queue_timeout_ms: u64,
+    pub max_waiting: usize,
+    /// Seconds running streams get to finish on SIGTERM.
+    pub shutdown_grace_s: u64,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        let d = EngineConfig::default();
+        EngineSection {
+            max_seqs: d.max_seqs,
+            max_batched_tokens: d.max_batched_tokens,
+            state_memory: "1GiB".into(),
+            queue_timeout_ms: d.queue_timeout.as_millis() as u64,
+            max_waiting: d.max_waiting,
+            shutdown_grace_s: 30,
+        }
+    }
+}
+
+impl EngineSection {
+    pub fn engine_config(&self) -> Result<EngineConfig, ConfigError> {
+        if self.max_seqs == 0 || self.max_batched_tokens == 0 {
+            return Err(ConfigError::Invalid("engine.max_seqs and engine.max_batched_tokens must be ≥ 1".into()));
+        }
+        Ok(EngineConfig {
+            max_seqs: self.max_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            state_memory: parse_size(&self.state_memory).ok_or_else(|| {
+                ConfigError::Invalid(format!("engine.state_memory: bad size {:?}", self.state_memory))
+            })?,
+            queue_timeout: Duration::from_millis(self.queue_timeout_ms),
+            max_waiting: self.max_waiting,
+        })
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    /// Largest request body in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// `max_tokens` when the request gives none.
+    pub default_max_tokens: usize,
+    /// Largest `n`.
+    pub max_n: usize,
+    /// Context length served (default: the model's).
+    pub max_context: Option<usize>,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        LimitsSection { max_body_bytes: 8 << 20, default_max_tokens: 1024, max_n: 8, max_context: None }
+    }
+}
+
+/// One tenant: who it is, which plugins it runs, what it may use.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub name: String,
+    /// SHA-256 (hex) of each API key; keys themselves are never stored.
+    #[serde(default)]
+    pub api_key_sha256: Vec<String>,
+    /// Requests without an `Authorization` header map to this tenant (loopback setups only).
+    #[serde(default)]
+    pub anonymous: bool,
+    #[serde(default)]
+    pub plugins: TenantPlugins,
+    /// Most requests in flight (more: 429).
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+    /// Default think-channel budgets by effort (`low`, `high`, `max`).
+    #[serde(default)]
+    pub thinking_budgets: BTreeMap<String, u32>,
+    /// Whether this tenant may upload its own plugins.
+    #[serde(default = "yes")]
+    pub allow_uploads: bool,
+}
+
+fn default_concurrency() -> usize {
+    64
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantPlugins {
+    pub template: String,
+    pub grammar: Option<String>,
+    /// The default sampler; a request may name another of the tenant's samplers.
+    pub sampler: String,
+    pub policies: Vec<PolicyConfig>,
+}
+
+impl Default for TenantPlugins {
+    fn default() -> Self {
+        TenantPlugins {
+            template: "builtin:template-kimi-k3".into(),
+            grammar: Some("builtin:grammar-kimi-k3".into()),
+            sampler: "builtin:sampler-standard".into(),
+            policies: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// `builtin:<name>` or a path to a component.
+    pub plugin: String,
+    /// The policy's own configuration, passed to it as JSON.
+    #[serde(default)]
+    pub config: Option<toml::Value>,
+}
+
+impl ServeConfig {
+    pub fn load(path: &Path) -> Result<ServeConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let mut c: ServeConfig =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.into(), msg: e.to_string() })?;
+        // Relative paths are relative to the config file.
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [&mut c.model, &mut c.tokenizer, &mut c.plugin_cache].into_iter().flatten() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(c)
+    }
+
+    /// The built-in configuration: loopback, the embedded model, one anonymous local tenant.
+    pub fn embedded_default() -> ServeConfig {
+        ServeConfig {
+            listen: default_listen(),
+            model: None,
+            tokenizer: None,
+            model_name: None,
+            threads: None,
+            engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
+            limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
+            plugin_cache: None,
+            tenants: vec![TenantConfig {
+                name: "local".into(),
+                api_key_sha256: Vec::new(),
+                anonymous: true,
+                plugins: TenantPlugins::default(),
+                max_concurrency: 128,
+                thinking_budgets: BTreeMap::new(),
+                allow_uploads: true,
+            }],
+        }
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.listen
+            .parse()
+            .map_err(|e| ConfigError::Invalid(format!("listen: {:?} is not an address: {e}", self.listen)))
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tenants.is_empty() {
+            return Err(ConfigError::Invalid("at least one [[tenants]] entry is needed".into()));
+        }
+        let mut names = std::collections::HashSet::new();
+        let mut anonymous = 0;
+        for t in &self.tenants {
+            if !names.insert(&t.name) {
+                return Err(ConfigError::Invalid(format!("tenant `{}` is defined twice", t.name)));
+            }
+            for k in &t.api_key_sha256 {
+                if k.len() != 64 || !k.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "tenants.{}: api_key_sha256 entries are 64 hex digits (sha256 of the key)",
+                        t.name
+                    )));
+                }
+            }
+            anonymous += usize::from(t.anonymous);
+            for e in t.thinking_budgets.keys() {
+                if !matches!(e.as_str(), "low" | "high" | "max") {
+                    return Err(ConfigError::Invalid(format!(
+                        "tenants.{}.thinking_budgets: unknown effort `{e}` (low, high, max)",
+                        t.name
+                    )));
+                }
+            }
+        }
+        if anonymous > 1 {
+            return Err(ConfigError::Invalid("only one tenant may be anonymous".into()));
+        }
+        self.listen_addr()?;
+        self.engine.engine_config()?;
+        Ok(())
+    }
+}
+
+/// "512MiB", "1GiB", "64MB", "1000" (bytes).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().ok()?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+/// Hex SHA-256 of an API key, as stored in the config.
+pub fn key_hash(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    crate::plugins::runtime::hex(&Sha256::digest(key.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_keys() {
+        assert_eq!(parse_size("512MiB"), Some(512 << 20));
+        assert_eq!(parse_size("2 GiB"), Some(2 << 30));
+        assert_eq!(parse_size("1000"), Some(1000));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(key_hash("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+
+    #[test]
+    fn config_errors_name_the_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, "listen = \"127.0.0.1:1\"\nbogus = 1\n").expect("write");
+        let e = ServeConfig::load(&p).expect_err("unknown key").to_string();
+        assert!(e.contains("bogus"), "{e}");
+        std::fs::write(&p, "[[tenants]]\nname = \"a\"\napi_key_sha256 = [\"xyz\"]\n").expect("write");
+        let e = ServeConfig::load(&p).expect("parses").validate().expect_err("bad hash").to_string();
+        assert!(e.contains("api_key_sha256"), "{e}");
+    }
+}

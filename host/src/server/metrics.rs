@@ -1,0 +1,210 @@
+//! `/metrics` (Prometheus text format): requests, tokens, latency histograms, queue and pool
+//! usage from the engine, and per-(tenant, plugin) call time, traps and timeouts.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use super::tenants::Tenant;
+use crate::engine::EngineStats;
+use crate::plugins::PluginHealth;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub tenant: String,
+    pub endpoint: String,
+    pub status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    pub tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub tenant: String,
+    pub plugin: String,
+    pub kind: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Family<TenantLabels, Counter>,
+    pub completion_tokens: Family<TenantLabels, Counter>,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub request_seconds: Histogram,
+    queue_depth: Gauge,
+    running_requests: Gauge,
+    running_seqs: Gauge,
+    slots_used: Gauge,
+    slots_total: Gauge,
+    pages_used: Gauge,
+    pages_total: Gauge,
+    state_bytes_used: Gauge,
+    steps: Counter,
+    prefill_tokens: Counter,
+    decode_tokens: Counter,
+    cancelled: Counter,
+    pool_timeouts: Counter,
+    plugin_calls: Family<PluginLabels, Counter>,
+    plugin_seconds: Family<PluginLabels, Counter<f64, AtomicU64>>,
+    plugin_traps: Family<PluginLabels, Counter>,
+    plugin_timeouts: Family<PluginLabels, Counter>,
+    plugin_failures: Family<PluginLabels, Counter>,
+    plugin_disabled: Family<PluginLabels, Gauge>,
+}
+
+/// Brings a counter up to an externally kept monotonic total.
+fn sync(c: &Counter, total: u64) {
+    let cur = c.get();
+    if total > cur {
+        c.inc_by(total - cur);
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut r = Registry::with_prefix("kimi");
+        let requests = Family::<RequestLabels, Counter>::default();
+        r.register("requests", "HTTP requests by tenant, endpoint and status", requests.clone());
+        let prompt_tokens = Family::<TenantLabels, Counter>::default();
+        r.register("prompt_tokens", "Prompt tokens processed", prompt_tokens.clone());
+        let completion_tokens = Family::<TenantLabels, Counter>::default();
+        r.register("completion_tokens", "Tokens generated", completion_tokens.clone());
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        r.register("time_to_first_token_seconds", "Request arrival to first generated token", ttft.clone());
+        let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        r.register("inter_token_seconds", "Time between generated tokens of a sequence", inter_token.clone());
+        let request_seconds = Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        r.register("request_duration_seconds", "Request arrival to its last byte", request_seconds.clone());
+        let g = |r: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::default();
+            r.register(name, help, g.clone());
+            g
+        };
+        let queue_depth = g(&mut r, "queue_depth", "Requests waiting for sequence state");
+        let running_requests = g(&mut r, "running_requests", "Requests holding sequence state");
+        let running_seqs = g(&mut r, "running_sequences", "Sequences being generated");
+        let slots_used = g(&mut r, "pool_slots_used", "KDA state slots in use");
+        let slots_total = g(&mut r, "pool_slots_total", "KDA state slots in the pool");
+        let pages_used = g(&mut r, "pool_pages_used", "Latent-cache pages in use");
+        let pages_total = g(&mut r, "pool_pages_total", "Latent-cache pages in the pool");
+        let state_bytes_used = g(&mut r, "pool_bytes_used", "Sequence-state bytes reserved");
+        let c = |r: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            r.register(name, help, c.clone());
+            c
+        };
+        let steps = c(&mut r, "engine_steps", "Engine steps run");
+        let prefill_tokens = c(&mut r, "engine_prefill_tokens", "Prompt tokens run through the model");
+        let decode_tokens = c(&mut r, "engine_decode_tokens", "Decode tokens run through the model");
+        let cancelled = c(&mut r, "engine_cancelled_requests", "Requests freed because the client left");
+        let pool_timeouts = c(&mut r, "engine_pool_timeouts", "Requests refused after waiting for state");
+        let plugin_calls = Family::<PluginLabels, Counter>::default();
+        r.register("plugin_calls", "Plugin calls", plugin_calls.clone());
+        let plugin_seconds = Family::<PluginLabels, Counter<f64, AtomicU64>>::default();
+        r.register("plugin_call_seconds", "Time spent in plugin calls", plugin_seconds.clone());
+        let plugin_traps = Family::<PluginLabels, Counter>::default();
+        r.register("plugin_traps", "Plugin traps (panics, out of memory, bad results)", plugin_traps.clone());
+        let plugin_timeouts = Family::<PluginLabels, Counter>::default();
+        r.register("plugin_timeouts", "Plugin calls that ran past their deadline", plugin_timeouts.clone());
+        let plugin_failures = Family::<PluginLabels, Counter>::default();
+        r.register("plugin_failures", "Failed plugin calls of any cause", plugin_failures.clone());
+        let plugin_disabled = Family::<PluginLabels, Gauge>::default();
+        r.register("plugin_disabled", "1 when repeated failures disabled the plugin", plugin_disabled.clone());
+        Metrics {
+            registry: r,
+            requests,
+            prompt_tokens,
+            completion_tokens,
+            ttft,
+            inter_token,
+            request_seconds,
+            queue_depth,
+            running_requests,
+            running_seqs,
+            slots_used,
+            slots_total,
+            pages_used,
+            pages_total,
+            state_bytes_used,
+            steps,
+            prefill_tokens,
+            decode_tokens,
+            cancelled,
+            pool_timeouts,
+            plugin_calls,
+            plugin_seconds,
+            plugin_traps,
+            plugin_timeouts,
+            plugin_failures,
+            plugin_disabled,
+        }
+    }
+
+    pub fn request(&self, tenant: &str, endpoint: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                tenant: tenant.into(),
+                endpoint: endpoint.into(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    fn plugin(&self, tenant: &str, name: &str, kind: &str, h: &PluginHealth) {
+        let l = PluginLabels { tenant: tenant.into(), plugin: name.into(), kind: kind.into() };
+        sync(&self.plugin_calls.get_or_create(&l), h.calls.load(Ordering::Relaxed));
+        let secs = h.call_nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+        let c = self.plugin_seconds.get_or_create(&l);
+        if secs > c.get() {
+            c.inc_by(secs - c.get());
+        }
+        sync(&self.plugin_traps.get_or_create(&l), h.traps.load(Ordering::Relaxed));
+        sync(&self.plugin_timeouts.get_or_create(&l), h.timeouts.load(Ordering::Relaxed));
+        sync(&self.plugin_failures.get_or_create(&l), h.failures.load(Ordering::Relaxed));
+        self.plugin_disabled.get_or_create(&l).set(i64::from(h.is_disabled()));
+    }
+
+    /// The exposition text, with engine and plugin figures read now.
+    pub fn render(&self, stats: &EngineStats, tenants: &[Arc<Tenant>]) -> String {
+        let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as i64;
+        self.queue_depth.set(load(&stats.waiting));
+        self.running_requests.set(load(&stats.running_requests));
+        self.running_seqs.set(load(&stats.running_seqs));
+        self.slots_used.set(load(&stats.used_slots));
+        self.slots_total.set(load(&stats.total_slots));
+        self.pages_used.set(load(&stats.used_pages));
+        self.pages_total.set(load(&stats.total_pages));
+        self.state_bytes_used.set(load(&stats.used_bytes));
+        sync(&self.steps, stats.steps.load(Ordering::Relaxed));
+        sync(&self.prefill_tokens, stats.prefill_tokens.load(Ordering::Relaxed));
+        sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));
+        sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));
+        sync(&self.pool_timeouts, stats.pool_timeouts.load(Ordering::Relaxed));
+        for t in tenants {
+            for p in t.list() {
+                self.plugin(&t.name, &p.name, p.plugin.kind().name(), &p.health);
+            }
+        }
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,270 @@
+//! The OpenAI-compatible HTTP server (axum on hyper/tokio): authentication to a tenant, the
+//! chat / completions endpoints over the shared engine, tenant plugin uploads, health and
+//! Prometheus metrics. One request: `auth` → `chat::prepare` (policies, template, tokenizer,
+//! grammar) → `engine` → `chat::respond` (output parser, stop strings, JSON or SSE).
+
+pub mod chat;
+pub mod config;
+pub mod embedded;
+pub mod metrics;
+pub mod openai;
+pub mod plugins_api;
+pub mod tenants;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use serde_json::{Map, Value, json};
+
+use crate::engine::Engine;
+use crate::grammar::GrammarEngine;
+use crate::model::Model;
+use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
+use crate::tokenizer::Tokenizer;
+use config::{LimitsSection, ServeConfig, key_hash};
+use metrics::Metrics;
+use openai::ApiError;
+use tenants::Tenant;
+
+/// Everything a request handler needs.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub model_name: String,
+    pub tok: Arc<Tokenizer>,
+    pub grammar: Arc<GrammarEngine>,
+    pub env: Arc<PluginEnv>,
+    pub runtime: Arc<PluginRuntime>,
+    pub tenants: Vec<Arc<Tenant>>,
+    pub limits: LimitsSection,
+    pub metrics: Metrics,
+    pub max_context: usize,
+    pub vocab: u32,
+    pub has_vision: bool,
+    pub created: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error("model {path}: {msg}")]
+    Model { path: PathBuf, msg: String },
+    #[error("tokenizer {path}: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+    #[error("{0}")]
+    Setup(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+}
+
+impl AppState {
+    /// Loads the model, tokenizer, plugins and tenants and starts the engine.
+    pub fn build(cfg: &ServeConfig, model_dir: &std::path::Path) -> Result<AppState, ServeError> {
+        cfg.validate()?;
+        let model = Arc::new(
+            Model::load(model_dir).map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
+        );
+        let tok_dir = cfg.tokenizer.clone().unwrap_or_else(|| model_dir.to_path_buf());
+        let tok = Arc::new(
+            Tokenizer::load(&tok_dir)
+                .map_err(|e| ServeError::Tokenizer { path: tok_dir.clone(), msg: e.to_string() })?,
+        );
+        let vocab = model.text_config().vocab_size;
+        let eos = tok
+            .special_id("<|end_of_msg|>")
+            .ok_or_else(|| ServeError::Tokenizer { path: tok_dir.clone(), msg: "no <|end_of_msg|> token".into() })?;
+        let grammar = Arc::new(
+            GrammarEngine::new(tok.clone(), vocab, eos).map_err(|e| ServeError::Setup(format!("grammar: {e}")))?,
+        );
+        let mut env = PluginEnv::from_tokenizer(tok.clone(), vocab as u32);
+        env.grammar = Some(grammar.clone());
+        let env = Arc::new(env);
+        let cache_dir = cfg.plugin_cache.clone().or_else(crate::plugins::runtime::default_cache_dir);
+        let runtime = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir })
+            .map_err(|e| ServeError::Setup(format!("plugin runtime: {e}")))?;
+        let tenants = cfg
+            .tenants
+            .iter()
+            .map(|t| Tenant::from_config(t, &runtime, &env).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(ServeError::Setup)?;
+        let max_context = cfg.limits.max_context.map_or(model.text_config().max_position_embeddings, |m| {
+            m.min(model.text_config().max_position_embeddings)
+        });
+        let has_vision = model.config.vision_config.is_some();
+        let engine = Engine::start(model, cfg.engine.engine_config()?).map_err(ServeError::Setup)?;
+        let model_name = cfg.model_name.clone().unwrap_or_else(|| {
+            model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "kimi".into())
+        });
+        Ok(AppState {
+            engine,
+            model_name,
+            tok,
+            grammar,
+            env,
+            runtime,
+            tenants,
+            limits: cfg.limits.clone(),
+            metrics: Metrics::new(),
+            max_context,
+            vocab: vocab as u32,
+            has_vision,
+            created: openai::unix_now(),
+        })
+    }
+
+    /// The tenant of a request: its bearer key's, or the anonymous tenant when no key is sent.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+        match headers.get(header::AUTHORIZATION) {
+            None => self
+                .tenants
+                .iter()
+                .find(|t| t.anonymous)
+                .cloned()
+                .ok_or_else(|| ApiError::unauthorized("missing API key: send `Authorization: Bearer <key>`")),
+            Some(v) => {
+                let v = v.to_str().map_err(|_| ApiError::unauthorized("malformed Authorization header"))?;
+                let key = v
+                    .strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+                    .map(str::trim)
+                    .ok_or_else(|| ApiError::unauthorized("Authorization must be `Bearer <key>`"))?;
+                let h = key_hash(key);
+                if let Some(t) = self.tenants.iter().find(|t| t.has_key_hash(&h)) {
+                    return Ok(t.clone());
+                }
+                // Clients that always send a key (the openai package needs one) still reach the
+                // anonymous tenant when it is the only way in and the key is a placeholder.
+                match self.tenants.iter().find(|t| t.anonymous) {
+                    Some(t) if self.tenants.iter().all(|t| t.anonymous || !t.has_any_key()) => Ok(t.clone()),
+                    _ => Err(ApiError::unauthorized("incorrect API key")),
+                }
+            }
+        }
+    }
+}
+
+/// A short, non-secret id of the request's key (for per-key policies and logs).
+pub fn key_id(headers: &HeaderMap) -> String {
+    match headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        Some(v) => {
+            let key = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v).trim();
+            key_hash(key)[..12].to_string()
+        }
+        None => "anonymous".into(),
+    }
+}
+
+/// Parses a JSON object body: bad UTF-8, bad JSON and non-objects are 400s with the reason.
+pub fn json_object(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|e| ApiError::bad(format!("request body is not valid UTF-8: {e}")))?;
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(other) => Err(ApiError::bad(format!("request body must be a JSON object, got {}", type_name(&other)))),
+        Err(e) => Err(ApiError::bad(format!("request body is not valid JSON: {e}"))),
+    }
+}
+
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+pub type Shared = Arc<AppState>;
+
+pub fn router(state: Shared) -> Router {
+    let limit = state.limits.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(chat::completions))
+        .route("/v1/models", get(models))
+        .route("/v1/plugins", get(plugins_api::list).post(plugins_api::upload))
+        .route("/v1/plugins/{name}", delete(plugins_api::remove))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("no such endpoint")
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    let stats = &s.engine.stats;
+    let body = json!({
+        "status": "ok",
+        "model": s.model_name,
+        "waiting": stats.waiting.load(std::sync::atomic::Ordering::Relaxed),
+        "running": stats.running_seqs.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    (StatusCode::OK, axum::Json(body)).into_response()
+}
+
+async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if let Err(e) = s.authenticate(&headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": s.created, "owned_by": "kimi-host",
+        "max_model_len": s.max_context,
+    }]}))
+    .into_response()
+}
+
+async fn metrics_text(State(s): State<Shared>) -> Response {
+    let text = s.metrics.render(&s.engine.stats, &s.tenants);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// Serves until SIGTERM / Ctrl-C, then lets running streams finish (up to `grace`).
+pub async fn serve(state: Shared, addr: SocketAddr, grace: Duration) -> Result<(), ServeError> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Listen { addr, source })?;
+    let engine = state.engine.clone();
+    let app = router(state);
+    tracing::info!("listening on http://{addr}");
+    let shutdown = async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = ctrl_c.await;
+        }
+        eprintln!("shutting down: finishing running requests (up to {grace:?})");
+        // Stop admitting and drain on a blocking thread while hyper finishes open responses.
+        let e = engine.clone();
+        tokio::task::spawn_blocking(move || e.shutdown(grace));
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| ServeError::Setup(format!("server: {e}")))
+}

@@ -1,0 +1,248 @@
+//! Tenants: API keys (as SHA-256), plugin sets, uploaded components, limits. A tenant's plugins,
+//! sampler instances, kv store and rate buckets are its own: nothing here is reachable from
+//! another tenant's requests.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::plugins::{
+    CompiledPlugin, EffortBudget, GrammarPlugin, PluginEnv, PluginError, PluginHealth, PluginKind, PluginRuntime,
+    PolicyPlugin, SamplerPlugin, TemplatePlugin, TenantSampler, TenantServices,
+};
+
+use super::config::TenantConfig;
+
+/// A loaded plugin of any kind, as a request uses it.
+#[derive(Clone)]
+pub enum LoadedPlugin {
+    Sampler(Arc<Mutex<TenantSampler>>),
+    Template(Arc<TemplatePlugin>),
+    Grammar(Arc<GrammarPlugin>),
+    Policy(Arc<PolicyPlugin>),
+}
+
+impl LoadedPlugin {
+    pub fn health(&self) -> Arc<PluginHealth> {
+        match self {
+            LoadedPlugin::Sampler(s) => s.lock().unwrap_or_else(|e| e.into_inner()).health.clone(),
+            LoadedPlugin::Template(x) => x.0.health.clone(),
+            LoadedPlugin::Grammar(x) => x.0.health.clone(),
+            LoadedPlugin::Policy(x) => x.0.health.clone(),
+        }
+    }
+
+    pub fn kind(&self) -> PluginKind {
+        match self {
+            LoadedPlugin::Sampler(_) => PluginKind::Sampler,
+            LoadedPlugin::Template(_) => PluginKind::Template,
+            LoadedPlugin::Grammar(_) => PluginKind::Grammar,
+            LoadedPlugin::Policy(_) => PluginKind::Policy,
+        }
+    }
+}
+
+/// One entry of a tenant's plugin list.
+#[derive(Clone)]
+pub struct PluginEntry {
+    pub name: String,
+    pub sha256: String,
+    pub builtin: bool,
+    pub plugin: LoadedPlugin,
+    /// Call counts, time and failures (read by `/metrics` without taking the plugin's lock).
+    pub health: Arc<PluginHealth>,
+}
+
+pub struct Tenant {
+    pub name: String,
+    key_hashes: Vec<String>,
+    pub anonymous: bool,
+    pub services: Arc<TenantServices>,
+    /// Plugins by name (builtins as `builtin:<name>`, uploads by their own name).
+    plugins: RwLock<BTreeMap<String, PluginEntry>>,
+    pub default_template: String,
+    pub default_grammar: Option<String>,
+    pub default_sampler: String,
+    /// (policy name, its JSON config), run in order.
+    pub policies: Vec<(String, String)>,
+    pub max_concurrency: usize,
+    pub in_flight: AtomicUsize,
+    pub thinking_budgets: Vec<EffortBudget>,
+    pub allow_uploads: bool,
+}
+
+/// Most plugins one tenant may upload.
+pub const MAX_UPLOADS: usize = 32;
+/// Largest uploaded component.
+pub const MAX_COMPONENT_BYTES: usize = 16 << 20;
+
+/// Loads a plugin for one tenant (each tenant gets its own sampler instance and state).
+pub fn instantiate(
+    runtime: &Arc<PluginRuntime>,
+    compiled: &CompiledPlugin,
+    env: &Arc<PluginEnv>,
+    services: &Arc<TenantServices>,
+    tenant: &str,
+) -> Result<LoadedPlugin, PluginError> {
+    Ok(match compiled.kind {
+        PluginKind::Sampler => {
+            let p = Arc::new(SamplerPlugin::new(runtime.clone(), compiled)?);
+            let mut ts = TenantSampler::new(p, env.clone(), services.clone(), tenant);
+            // Instantiate now so a broken sampler fails at load, not on the first request.
+            ts.instance()?;
+            LoadedPlugin::Sampler(Arc::new(Mutex::new(ts)))
+        }
+        PluginKind::Template => LoadedPlugin::Template(Arc::new(TemplatePlugin::new(runtime.clone(), compiled)?)),
+        PluginKind::Grammar => LoadedPlugin::Grammar(Arc::new(GrammarPlugin::new(runtime.clone(), compiled)?)),
+        PluginKind::Policy => LoadedPlugin::Policy(Arc::new(PolicyPlugin::new(runtime.clone(), compiled)?)),
+    })
+}
+
+/// Reads a plugin reference from the config: `builtin:<name>` or a file path.
+pub fn plugin_bytes(reference: &str) -> Result<(String, Vec<u8>), String> {
+    if let Some(name) = reference.strip_prefix("builtin:") {
+        let bytes =
+            crate::plugins::builtin::builtin(name).ok_or_else(|| format!("unknown builtin plugin `{reference}`"))?;
+        return Ok((reference.to_string(), bytes.to_vec()));
+    }
+    let bytes = std::fs::read(reference).map_err(|e| format!("plugin {reference}: {e}"))?;
+    let name = std::path::Path::new(reference)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| reference.to_string());
+    Ok((name, bytes))
+}
+
+impl Tenant {
+    pub fn from_config(c: &TenantConfig, runtime: &Arc<PluginRuntime>, env: &Arc<PluginEnv>) -> Result<Tenant, String> {
+        let services = Arc::new(TenantServices::default());
+        let mut plugins = BTreeMap::new();
+        let mut load = |reference: &str, want: PluginKind| -> Result<String, String> {
+            let (name, bytes) = plugin_bytes(reference)?;
+            if plugins.contains_key(&name) {
+                return Ok(name);
+            }
+            let compiled = runtime.load(&name, &bytes).map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            if compiled.kind != want {
+                return Err(format!(
+                    "tenant `{}`: `{reference}` is a {} plugin, not a {}",
+                    c.name,
+                    compiled.kind.name(),
+                    want.name()
+                ));
+            }
+            let plugin = instantiate(runtime, &compiled, env, &services, &c.name)
+                .map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let builtin = reference.starts_with("builtin:");
+            let health = plugin.health();
+            plugins.insert(
+                name.clone(),
+                PluginEntry { name: name.clone(), sha256: compiled.sha256.clone(), builtin, plugin, health },
+            );
+            Ok(name)
+        };
+        let default_template = load(&c.plugins.template, PluginKind::Template)?;
+        let default_grammar = c.plugins.grammar.as_deref().map(|g| load(g, PluginKind::Grammar)).transpose()?;
+        let default_sampler = load(&c.plugins.sampler, PluginKind::Sampler)?;
+        let mut policies = Vec::new();
+        for p in &c.plugins.policies {
+            let name = load(&p.plugin, PluginKind::Policy)?;
+            let config = match &p.config {
+                Some(v) => serde_json::to_string(v).map_err(|e| format!("tenant `{}`: policy config: {e}", c.name))?,
+                None => "{}".into(),
+            };
+            policies.push((name, config));
+        }
+        // Builtin samplers are always selectable by name.
+        let _ = load("builtin:sampler-standard", PluginKind::Sampler)?;
+        Ok(Tenant {
+            name: c.name.clone(),
+            key_hashes: c.api_key_sha256.iter().map(|k| k.to_ascii_lowercase()).collect(),
+            anonymous: c.anonymous,
+            services,
+            plugins: RwLock::new(plugins),
+            default_template,
+            default_grammar,
+            default_sampler,
+            policies,
+            max_concurrency: c.max_concurrency,
+            in_flight: AtomicUsize::new(0),
+            thinking_budgets: c
+                .thinking_budgets
+                .iter()
+                .map(|(e, t)| EffortBudget { effort: e.clone(), tokens: *t })
+                .collect(),
+            allow_uploads: c.allow_uploads,
+        })
+    }
+
+    pub fn has_any_key(&self) -> bool {
+        !self.key_hashes.is_empty()
+    }
+
+    pub fn has_key_hash(&self, hash: &str) -> bool {
+        self.key_hashes.iter().any(|h| h == hash)
+    }
+
+    /// The tenant's plugin called `name` (an upload, or `builtin:<name>` / `<name>` for builtins).
+    pub fn plugin(&self, name: &str) -> Option<PluginEntry> {
+        let plugins = self.plugins.read().unwrap_or_else(|e| e.into_inner());
+        plugins.get(name).or_else(|| plugins.get(&format!("builtin:{name}"))).cloned()
+    }
+
+    pub fn list(&self) -> Vec<PluginEntry> {
+        self.plugins.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+
+    /// Adds an uploaded plugin (replacing an earlier upload of the same name).
+    pub fn add_upload(&self, entry: PluginEntry) -> Result<(), String> {
+        let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
+        if entry.name.starts_with("builtin:") {
+            return Err("names starting with `builtin:` are reserved".into());
+        }
+        let uploads = plugins.values().filter(|p| !p.builtin).count();
+        if !plugins.contains_key(&entry.name) && uploads >= MAX_UPLOADS {
+            return Err(format!("a tenant may upload at most {MAX_UPLOADS} plugins"));
+        }
+        if [&self.default_template, &self.default_sampler].contains(&&entry.name)
+            || self.default_grammar.as_ref() == Some(&entry.name)
+            || self.policies.iter().any(|p| p.0 == entry.name)
+        {
+            return Err(format!("`{}` is one of this tenant's configured plugins; choose another name", entry.name));
+        }
+        plugins.insert(entry.name.clone(), entry);
+        Ok(())
+    }
+
+    /// Removes an upload; builtins and configured plugins stay.
+    pub fn remove_upload(&self, name: &str) -> Result<(), String> {
+        let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
+        match plugins.get(name) {
+            Some(p) if !p.builtin => {
+                plugins.remove(name);
+                Ok(())
+            }
+            Some(_) => Err(format!("`{name}` is a builtin plugin")),
+            None => Err(format!("no plugin named `{name}`")),
+        }
+    }
+
+    /// Counts a request in; None when the tenant is at its concurrency cap.
+    pub fn enter(self: &Arc<Self>) -> Option<InFlight> {
+        let prev = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if prev >= self.max_concurrency {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(InFlight(self.clone()))
+    }
+}
+
+/// A request in flight for its tenant (counted until dropped).
+pub struct InFlight(Arc<Tenant>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}

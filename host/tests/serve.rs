@@ -1,0 +1,174 @@
+//! `kimi-host serve` end to end: two servers on a tiny K3.1 checkpoint (one with two keyed tenants,
+//! one with a state pool that holds two sequences), driven by `tests/python/openai_suite.py`
+//! through the official `openai` package, installed into a virtualenv by this test.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kimi_host::engine::pool::StateShape;
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::server::config::key_hash;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A virtualenv with the pinned client packages (created once per target directory).
+fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let py = venv.join("bin/python");
+    let marker = venv.join(".installed-v1");
+    if !marker.exists() {
+        run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv));
+        run(Command::new(&py).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "openai==1.109.1",
+            "httpx==0.28.1",
+            "jsonschema==4.23.0",
+        ]));
+        std::fs::write(&marker, "").expect("marker");
+    }
+    py
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn get(addr: SocketAddr, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+fn start(config: &Path, addr: SocketAddr, log: &Path) -> Server {
+    let log = std::fs::File::create(log).expect("log");
+    let child = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn kimi-host serve");
+    let server = Server(child);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(120) {
+        if get(addr, "/health").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+            return server;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("kimi-host serve did not come up on {addr}");
+}
+
+fn sampler_wasm() -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = repo().join("plugins/target");
+    run(Command::new(cargo)
+        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2", "--manifest-path"])
+        .arg(repo().join("examples/custom-sampler/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .env_remove("CARGO_TARGET_DIR"));
+    target.join("wasm32-wasip2/release/typical_sampler.wasm")
+}
+
+#[test]
+fn openai_client_against_kimi_host_serve() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    make_tiny(&model, &TinyOptions { seed: 3, k31: true, mxfp4: true }).expect("make-tiny");
+    let cache = dir.path().join("plugin-cache");
+    let (main, small) = (free_port(), free_port());
+    let config = |addr: SocketAddr, extra: &str, tenants: &str| {
+        format!(
+            "listen = \"{addr}\"\nmodel = \"{}\"\nmodel_name = \"kimi-tiny\"\nplugin_cache = \"{}\"\n\
+             [limits]\nmax_context = 8192\n{extra}\n{tenants}",
+            model.display(),
+            cache.display()
+        )
+    };
+    let main_cfg = dir.path().join("main.toml");
+    std::fs::write(
+        &main_cfg,
+        config(
+            main,
+            "[engine]\nmax_seqs = 64\nstate_memory = \"512MiB\"\nqueue_timeout_ms = 60000",
+            &format!(
+                "[[tenants]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n\
+                 [[tenants]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
+                key_hash("key-a"),
+                key_hash("key-b")
+            ),
+        ),
+    )
+    .expect("config");
+    // The small server's pool holds two sequences of (prompt + 600) tokens, no more.
+    let c = kimi_host::model::Model::load(&model).expect("model");
+    let shape = StateShape::of(c.text_config());
+    let per_seq = shape.slot_bytes + StateShape::pages_for(1200) * shape.page_bytes;
+    let small_cfg = dir.path().join("small.toml");
+    std::fs::write(
+        &small_cfg,
+        config(
+            small,
+            &format!("[engine]\nmax_seqs = 8\nstate_memory = \"{}\"\nqueue_timeout_ms = 300", 2 * per_seq + 1),
+            "[[tenants]]\nname = \"local\"\nanonymous = true\n",
+        ),
+    )
+    .expect("config");
+    let py = python();
+    let wasm = sampler_wasm();
+    let _a = start(&main_cfg, main, &dir.path().join("main.log"));
+    let _b = start(&small_cfg, small, &dir.path().join("small.log"));
+    let out = Command::new(&py)
+        .arg(repo().join("host/tests/python/openai_suite.py"))
+        .env("KIMI_URL", format!("http://{main}"))
+        .env("KIMI_SMALL_URL", format!("http://{small}"))
+        .env("KIMI_MODEL", "kimi-tiny")
+        .env("KIMI_KEY_A", "key-a")
+        .env("KIMI_KEY_B", "key-b")
+        .env("KIMI_SAMPLER_WASM", &wasm)
+        .env("KIMI_BIN", env!("CARGO_BIN_EXE_kimi-host"))
+        .env("KIMI_TOKENIZER", &model)
+        .output()
+        .expect("python");
+    let logs = std::fs::read_to_string(dir.path().join("main.log")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "openai suite failed:\n{}\n{}\n--- server log (tail) ---\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        logs.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+}
