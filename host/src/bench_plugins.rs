@@ -18,24 +18,27 @@ use crate::plugins::{
 pub struct Timing {
     pub what: String,
     pub mean_us: f64,
+    pub p95_us: f64,
     pub p99_us: f64,
     pub native_mean_us: Option<f64>,
     pub ratio_vs_native: Option<f64>,
 }
 
-fn summary(mut v: Vec<f64>) -> (f64, f64) {
+/// (mean, p95, p99).
+fn summary(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let p99 = v.get(((v.len() as f64 * 0.99) as usize).min(v.len().saturating_sub(1))).copied().unwrap_or(0.0);
-    (mean, p99)
+    let at = |p: f64| v.get(((v.len() as f64 * p) as usize).min(v.len().saturating_sub(1))).copied().unwrap_or(0.0);
+    (mean, at(0.95), at(0.99))
 }
 
 fn timing(what: &str, plugin: Vec<f64>, native: Option<Vec<f64>>) -> Timing {
-    let (mean, p99) = summary(plugin);
+    let (mean, p95, p99) = summary(plugin);
     let native_mean = native.map(|n| summary(n).0);
     Timing {
         what: what.to_string(),
         mean_us: mean,
+        p95_us: p95,
         p99_us: p99,
         native_mean_us: native_mean,
         ratio_vs_native: native_mean.map(|n| mean / n.max(1e-9)),
@@ -193,9 +196,40 @@ pub fn bench_plugins(
     Ok(out)
 }
 
+/// Ten tool schemas covering nested objects, arrays, enums, bounded numbers, required and optional
+/// fields and strings with escapes (the constrained-generation test uses the same ones).
+pub fn tool_schemas() -> Vec<serde_json::Value> {
+    use serde_json::json;
+    vec![
+        json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}),
+        json!({"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7},
+               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["days", "unit"]}),
+        json!({"type": "object", "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1},
+               "flag": {"type": "boolean"}}, "required": ["ratio"]}),
+        json!({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3}},
+               "required": ["tags"]}),
+        json!({"type": "object", "properties": {"user": {"type": "object", "properties": {
+                   "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                   "required": ["name", "age"], "additionalProperties": false}}, "required": ["user"]}),
+        json!({"type": "object", "properties": {"q": {"type": "string", "maxLength": 10}, "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+               "offset": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["q"]}),
+        json!({"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow", "a \"quoted\" \\ one"]},
+               "note": {"type": "string", "maxLength": 6}}, "required": ["mode", "note"]}),
+        json!({"type": "object", "properties": {"matrix": {"type": "array", "maxItems": 2,
+               "items": {"type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": -5, "maximum": 5}}}}, "required": ["matrix"]}),
+        json!({"type": "object", "properties": {"cfg": {"type": "object", "properties": {
+                   "level": {"type": "string", "enum": ["low", "high"]}, "retries": {"type": "integer", "minimum": 0, "maximum": 3},
+                   "label": {"type": "string", "maxLength": 4}}, "required": ["level"], "additionalProperties": false}},
+               "required": ["cfg"]}),
+        json!({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}, "c": {"type": "string", "maxLength": 3}},
+               "required": ["a", "b", "c"]}),
+    ]
+}
+
 /// Grammar compile and mask times on the given tokenizer's vocabulary (the Kimi one: 163,840).
 fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, PluginError> {
     use crate::grammar::{Constraint, GrammarEngine};
+    use kimi_xtml::grammar::{ThinkChannel, ToolChoice, output_grammar};
     let err = |e: String| PluginError::Runtime(e);
     let tok = Arc::new(crate::tokenizer::Tokenizer::load(dir).map_err(|e| err(e.to_string()))?);
     let eos = tok.special_id("<|end_of_msg|>").unwrap_or(0);
@@ -243,20 +277,61 @@ fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, Plu
             }
         }
     }
+    // The Kimi-K3 output grammars (grammar-kimi-k3's constraint) for the tool schemas of the
+    // constrained-generation test: tool_choice required and named, and a json_schema response.
+    let mut k3_compile = Vec::new();
+    let mut k3_masks = Vec::new();
+    for (k, schema) in tool_schemas().into_iter().enumerate() {
+        let name = format!("bench_tool_{k}");
+        let tools = serde_json::json!([{"type": "function", "function": {"name": name, "parameters": schema}}]);
+        let rf = serde_json::json!({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}});
+        let named = ToolChoice::Named(name.clone());
+        for (choice, rf) in [(ToolChoice::Required, None), (named, None), (ToolChoice::Auto, Some(&rf))] {
+            let g = output_grammar(Some(&tools), &choice, rf, ThinkChannel::Off)
+                .map_err(|e| err(e.0))?
+                .ok_or_else(|| err("no grammar".into()))?;
+            let t = Instant::now();
+            let mut m = engine.matcher(&Constraint::Lark(g)).map_err(|e| err(e.to_string()))?;
+            k3_compile.push(t.elapsed().as_secs_f64() * 1e6);
+            for _ in 0..40 {
+                let t = Instant::now();
+                let mask = m.mask().map_err(|e| err(e.to_string()))?;
+                k3_masks.push(t.elapsed().as_secs_f64() * 1e6);
+                let mut allowed = Vec::new();
+                mask.iter_set_entries(|i| allowed.push(i as u32));
+                if allowed.is_empty() || allowed.contains(&eos) {
+                    break;
+                }
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if m.consume(allowed[(x % allowed.len() as u64) as usize]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
     Ok(vec![
         timing(&format!("grammar: compile a tool-call JSON schema ({vocab}-token vocabulary)"), compile, None),
+        timing(
+            &format!("grammar: compile a K3 output grammar (tools / json_schema; {vocab} tokens)"),
+            k3_compile,
+            None,
+        ),
+        timing("grammar: K3 output grammar token mask", k3_masks, None),
         timing("grammar: same schema again (compiled-grammar cache hit)", cached, None),
         timing(&format!("grammar: token mask ({vocab}-token vocabulary)"), masks, None),
     ])
 }
 
 pub fn print(timings: &[Timing]) {
-    println!("{:<78} {:>10} {:>10} {:>12} {:>8}", "", "mean µs", "p99 µs", "native µs", "ratio");
+    println!("{:<78} {:>10} {:>10} {:>10} {:>12} {:>8}", "", "mean µs", "p95 µs", "p99 µs", "native µs", "ratio");
     for t in timings {
         println!(
-            "{:<78} {:>10.2} {:>10.2} {:>12} {:>8}",
+            "{:<78} {:>10.2} {:>10.2} {:>10.2} {:>12} {:>8}",
             t.what,
             t.mean_us,
+            t.p95_us,
             t.p99_us,
             t.native_mean_us.map_or("-".into(), |n| format!("{n:.2}")),
             t.ratio_vs_native.map_or("-".into(), |r| format!("{r:.1}×"))

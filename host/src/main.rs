@@ -256,8 +256,10 @@ fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>
     let addr = cfg.listen_addr()?;
     let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
     runtime()?.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        // Printed once the socket is bound, so the example works when it appears.
         println!("{}", embedded::usage_examples(&addr.to_string(), &state.model_name));
-        serve(state, addr, grace).await
+        serve(state, listener, grace).await.map_err(anyhow::Error::from)
     })?;
     Ok(())
 }

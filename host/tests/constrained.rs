@@ -14,30 +14,7 @@ use kimi_xtml::{RenderOptions, Segment, render};
 use serde_json::{Value, json};
 
 fn schemas() -> Vec<Value> {
-    vec![
-        json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}),
-        json!({"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7},
-               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["days", "unit"]}),
-        json!({"type": "object", "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1},
-               "flag": {"type": "boolean"}}, "required": ["ratio"]}),
-        json!({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3}},
-               "required": ["tags"]}),
-        json!({"type": "object", "properties": {"user": {"type": "object", "properties": {
-                   "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                   "required": ["name", "age"], "additionalProperties": false}}, "required": ["user"]}),
-        json!({"type": "object", "properties": {"q": {"type": "string", "maxLength": 10}, "limit": {"type": "integer", "minimum": 1, "maximum": 50},
-               "offset": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["q"]}),
-        json!({"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow", "a \"quoted\" \\ one"]},
-               "note": {"type": "string", "maxLength": 6}}, "required": ["mode", "note"]}),
-        json!({"type": "object", "properties": {"matrix": {"type": "array", "maxItems": 2,
-               "items": {"type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": -5, "maximum": 5}}}}, "required": ["matrix"]}),
-        json!({"type": "object", "properties": {"cfg": {"type": "object", "properties": {
-                   "level": {"type": "string", "enum": ["low", "high"]}, "retries": {"type": "integer", "minimum": 0, "maximum": 3},
-                   "label": {"type": "string", "maxLength": 4}}, "required": ["level"], "additionalProperties": false}},
-               "required": ["cfg"]}),
-        json!({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}, "c": {"type": "string", "maxLength": 3}},
-               "required": ["a", "b", "c"]}),
-    ]
+    kimi_host::bench_plugins::tool_schemas()
 }
 
 struct Harness {

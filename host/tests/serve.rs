@@ -125,7 +125,10 @@ fn openai_client_against_kimi_host_serve() {
             "[engine]\nmax_seqs = 64\nstate_memory = \"512MiB\"\nqueue_timeout_ms = 60000",
             &format!(
                 "[[tenants]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n\
-                 [[tenants]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n",
+                 [[tenants]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n\
+                 [[tenants.plugins.policies]]\nplugin = \"builtin:policy-kimi-vendor\"\n\
+                 [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\n\
+                 config = {{ max_completion_tokens = 64, requests_per_minute = 1000 }}\n",
                 key_hash("key-a"),
                 key_hash("key-b")
             ),
@@ -171,4 +174,97 @@ fn openai_client_against_kimi_host_serve() {
         logs.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
     );
     print!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// Reads an HTTP/1.1 response to a request until the server closes the connection.
+fn post_stream(addr: SocketAddr, path: &str, body: &str, mut on_first: impl FnMut()) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).expect("timeout");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut fired = false;
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+        if !fired && String::from_utf8_lossy(&out).matches("data: {").count() >= 3 {
+            fired = true;
+            on_first();
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn embedded_default_answers_its_printed_curl_and_drains_on_sigterm() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let addr = free_port();
+    let log = cache.path().join("serve.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
+        .args(["serve", "--listen", &addr.to_string()])
+        .env("KIMI_HOST_CACHE", cache.path())
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::fs::File::create(&log).expect("log"))
+        .stderr(std::fs::File::create(cache.path().join("serve.err")).expect("log"))
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut server = Server(child);
+    let t = Instant::now();
+    while !get(addr, "/health").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+        assert!(t.elapsed() < Duration::from_secs(300), "the embedded default did not come up");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The printed example, run as printed.
+    let printed = std::fs::read_to_string(&log).expect("log");
+    let curl: String = printed
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("curl "))
+        .take_while(|l| !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(curl.contains(&addr.to_string()), "no curl example printed:\n{printed}");
+    let out = Command::new("sh").arg("-c").arg(format!("{curl} --silent --show-error --fail")).output().expect("curl");
+    assert!(out.status.success(), "{curl}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON answer");
+    assert_eq!(v["object"], "chat.completion", "{v}");
+    assert!(v["choices"][0]["finish_reason"].is_string(), "{v}");
+
+    // SIGTERM during a stream: the stream still ends properly, then the process exits cleanly.
+    let pid = server.0.id().to_string();
+    let body = r#"{"model": "kimi-k3-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": true}"#;
+    let text = post_stream(addr, "/v1/chat/completions", body, || {
+        run(Command::new("kill").args(["-TERM", &pid]));
+    });
+    assert!(text.contains("data: [DONE]"), "stream not ended cleanly: {}", &text[text.len().saturating_sub(500)..]);
+    assert!(text.contains("\"finish_reason\":\"") || text.contains("shutting down"), "{text}");
+    let t = Instant::now();
+    loop {
+        if let Some(status) = server.0.try_wait().expect("wait") {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "server did not exit after SIGTERM; stderr:\n{}",
+            std::fs::read_to_string(cache.path().join("serve.err")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(get(addr, "/health").is_none(), "still listening");
+}
+
+#[test]
+fn example_config_is_valid() {
+    let c = kimi_host::server::config::ServeConfig::load(&repo().join("examples/kimi-host.toml")).expect("parses");
+    c.validate().expect("valid");
+    assert_eq!(c.tenants.len(), 2);
+    assert!(c.tenants[0].api_key_sha256.contains(&key_hash("secret")));
 }

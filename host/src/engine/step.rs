@@ -357,18 +357,23 @@ impl Worker {
     /// Masks, samples (one plugin call per sampler per step), checks and emits.
     fn sample(&mut self, mut rows: Vec<Row>) {
         rows.retain(|row| self.running.get(row.run).is_some_and(|r| !r.seqs[row.seq].done));
-        // Constrained rows: disallowed tokens to −∞ before the sampler sees them.
+        // Constrained rows: disallowed tokens to −∞ before the sampler sees them. Masks are
+        // computed for all constrained sequences in parallel (each owns its matcher).
         let mut failures: Vec<(usize, usize, EngineError)> = Vec::new();
-        let mut raw: Vec<Option<Vec<f32>>> = Vec::with_capacity(rows.len());
-        for row in &mut rows {
-            let r = &mut self.running[row.run];
-            let want_logprobs = r.req.logprobs.is_some();
-            let s = &mut r.seqs[row.seq];
-            let Some(m) = s.matcher.as_mut() else {
-                raw.push(None);
-                continue;
-            };
-            match m.mask() {
+        let mut raw: Vec<Option<Vec<f32>>> = (0..rows.len()).map(|_| None).collect();
+        let running = &mut self.running;
+        let jobs: Vec<(usize, &mut Row, ConstraintMatcher, bool)> = rows
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(k, row)| {
+                let r = &mut running[row.run];
+                let want_logprobs = r.req.logprobs.is_some();
+                r.seqs[row.seq].matcher.take().map(|m| (k, row, m, want_logprobs))
+            })
+            .collect();
+        let masked: Vec<(usize, usize, usize, ConstraintMatcher, Option<Vec<f32>>, Option<EngineError>)> = jobs
+            .into_par_iter()
+            .map(|(k, row, mut m, want_logprobs)| match m.mask() {
                 Ok(mask) => {
                     let mut masked = vec![f32::NEG_INFINITY; row.logits.len()];
                     let mut any = false;
@@ -378,16 +383,18 @@ impl Worker {
                             any = true;
                         }
                     });
-                    if !any {
-                        failures.push((row.run, row.seq, EngineError::Constraint("no token is allowed here".into())));
-                    }
                     let original = std::mem::replace(&mut row.logits, masked);
-                    raw.push(want_logprobs.then_some(original));
+                    let e = (!any).then(|| EngineError::Constraint("no token is allowed here".into()));
+                    (k, row.run, row.seq, m, want_logprobs.then_some(original), e)
                 }
-                Err(e) => {
-                    failures.push((row.run, row.seq, EngineError::Constraint(e.to_string())));
-                    raw.push(None);
-                }
+                Err(e) => (k, row.run, row.seq, m, None, Some(EngineError::Constraint(e.to_string()))),
+            })
+            .collect();
+        for (k, run, seq, m, original, e) in masked {
+            self.running[run].seqs[seq].matcher = Some(m);
+            raw[k] = original;
+            if let Some(e) = e {
+                failures.push((run, seq, e));
             }
         }
         for (run, seq, e) in failures {

@@ -11,7 +11,6 @@ pub mod openai;
 pub mod plugins_api;
 pub mod tenants;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,8 +60,6 @@ pub enum ServeError {
     Tokenizer { path: PathBuf, msg: String },
     #[error("{0}")]
     Setup(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: SocketAddr, source: std::io::Error },
 }
 
 impl AppState {
@@ -233,8 +230,8 @@ async fn metrics_text(State(s): State<Shared>) -> Response {
 }
 
 /// Serves until SIGTERM / Ctrl-C, then lets running streams finish (up to `grace`).
-pub async fn serve(state: Shared, addr: SocketAddr, grace: Duration) -> Result<(), ServeError> {
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Listen { addr, source })?;
+pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Duration) -> Result<(), ServeError> {
+    let addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("listener: {e}")))?;
     let engine = state.engine.clone();
     let app = router(state);
     tracing::info!("listening on http://{addr}");

@@ -210,6 +210,25 @@ def test_uploaded_sampler_is_per_tenant():
         pass
 
 
+# A 2×2 PNG header (width, height) is all the template reads.
+PNG_URI = "data:image/png;base64," + base64.b64encode(
+    b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR" + (2).to_bytes(4, "big") + (2).to_bytes(4, "big") + b"\x08\x06\0\0\0").decode()
+
+
+def test_tenant_policies():
+    # Tenant B runs policy-kimi-vendor (n = 1, temperature ≤ 1) and policy-limits (≤ 64 tokens).
+    for kw, word in [(dict(n=2), "n"), (dict(temperature=1.5), "temperature"), (dict(max_tokens=100), "64")]:
+        try:
+            client_b.chat.completions.create(model=MODEL, messages=USER, **{"max_tokens": 4, **kw})
+            raise AssertionError(f"policy let {kw} through")
+        except openai.BadRequestError as e:
+            assert word in e.message, e.message
+    r = client_b.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0.5)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # Tenant A has no such policies.
+    assert len(chat(max_tokens=4, n=2, temperature=1.5).choices) == 2
+
+
 def post_raw(body, key=KEY_A, raw=None):
     headers = {"Content-Type": "application/json"}
     if key is not None:
@@ -234,12 +253,16 @@ def test_bad_input_is_4xx_and_the_server_keeps_serving():
         ({**ok, "n": 0}, None, 400),
         ({**ok, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, 400),
         ({**ok, "messages": [{"role": "wizard", "content": "x"}]}, None, 400),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URI}}]}]},
+         None, 400),
     ]
     for body, raw, status in cases:
         r = post_raw(body, raw=raw)
         assert r.status_code == status, (body if raw is None else raw[:60], r.status_code, r.text[:300])
         err = r.json()["error"]
         assert err["message"] and err["type"], err
+    r = post_raw(cases[-1][0])
+    assert "images not supported by this model" in r.json()["error"]["message"], r.text
     for key, status in [(None, 401), ("wrong-key", 401)]:
         r = post_raw(ok, key=key)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text

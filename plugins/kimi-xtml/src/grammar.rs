@@ -103,8 +103,9 @@ impl Builder {
         }
     }
 
-    /// One `call` block for `tool` (an OpenAI tool object) at `index`.
-    fn call(&mut self, tool: &Value, index: usize) -> Result<String, RenderError> {
+    /// The typed `argument` blocks of `tool` (an OpenAI tool object) as one rule, or None when
+    /// it takes no arguments; with the tool's name.
+    fn arguments(&mut self, tool: &Value) -> Result<(String, Option<String>), RenderError> {
         let f = tool.get("function").unwrap_or(tool);
         let name = f.get("name").and_then(Value::as_str).ok_or_else(|| RenderError("tool without a name".into()))?;
         let params = f.get("parameters").cloned().unwrap_or(json!({}));
@@ -123,18 +124,31 @@ impl Builder {
                 args.push(if required.contains(&key.as_str()) { arg } else { format!("{arg}?") });
             }
         }
+        if args.is_empty() {
+            return Ok((name.to_string(), None));
+        }
+        let rule = self.fresh("args");
+        self.rule(&rule, args.join(" "));
+        Ok((name.to_string(), Some(rule)))
+    }
+
+    /// One `call` block at `index` for a tool whose arguments rule was built once.
+    fn call(&mut self, name: &str, args: &Option<String>, index: usize) -> String {
         let header = format!("call tool=\"{}\" index=\"{index}\"", escape_attr(name));
         let call = self.fresh("call");
-        let body = if args.is_empty() { String::new() } else { args.join(" ") + " " };
+        let body = args.as_ref().map_or(String::new(), |a| format!("{a} "));
         self.rule(&call, format!("<|open|> {} <|sep|> {body}<|close|> \"call\" <|sep|>", lit(&header)));
-        Ok(call)
+        call
     }
 
     /// A `tools` channel with 1..=MAX_CALLS calls of the given tools (one tool: that one only).
+    /// Each tool's argument grammar is built once and shared by every call position, so the
+    /// compiled constraint stays small (and compiles fast) however many calls are allowed.
     fn tools_channel(&mut self, tools: &[&Value], max_calls: usize) -> Result<String, RenderError> {
+        let built = tools.iter().map(|t| self.arguments(t)).collect::<Result<Vec<_>, _>>()?;
         let mut per_index = Vec::new();
         for i in 1..=max_calls {
-            let alts = tools.iter().map(|t| self.call(t, i)).collect::<Result<Vec<_>, _>>()?;
+            let alts: Vec<String> = built.iter().map(|(name, args)| self.call(name, args, i)).collect();
             let r = self.fresh("calls_at");
             self.rule(&r, alts.join(" | "));
             per_index.push(r);
