@@ -52,6 +52,10 @@ impl Running {
     }
 }
 
+/// A masked row: (row, request, sequence, its matcher back, the unmasked logits when logprobs
+/// need them, a failure).
+type Masked = (usize, usize, usize, ConstraintMatcher, Option<Vec<f32>>, Option<EngineError>);
+
 /// A row to sample: (request, sequence) and its logits.
 struct Row {
     run: usize,
@@ -371,7 +375,7 @@ impl Worker {
                 r.seqs[row.seq].matcher.take().map(|m| (k, row, m, want_logprobs))
             })
             .collect();
-        let masked: Vec<(usize, usize, usize, ConstraintMatcher, Option<Vec<f32>>, Option<EngineError>)> = jobs
+        let masked: Vec<Masked> = jobs
             .into_par_iter()
             .map(|(k, row, mut m, want_logprobs)| match m.mask() {
                 Ok(mask) => {
