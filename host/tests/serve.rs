@@ -128,9 +128,15 @@ fn openai_client_against_kimi_host_serve() {
                  [[tenants]]\nname = \"b\"\napi_key_sha256 = [\"{}\"]\n\
                  [[tenants.plugins.policies]]\nplugin = \"builtin:policy-kimi-vendor\"\n\
                  [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\n\
-                 config = {{ max_completion_tokens = 64, requests_per_minute = 1000 }}\n",
+                 config = {{ max_completion_tokens = 64, requests_per_minute = 1000 }}\n\
+                 [[tenants]]\nname = \"c\"\napi_key_sha256 = [\"{}\"]\n\
+                 [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\n\
+                 config = {{ requests_per_minute = 2 }}\n\
+                 [[tenants]]\nname = \"d\"\napi_key_sha256 = [\"{}\"]\nmax_concurrency = 2\n",
                 key_hash("key-a"),
-                key_hash("key-b")
+                key_hash("key-b"),
+                key_hash("key-c"),
+                key_hash("key-d")
             ),
         ),
     )
@@ -149,6 +155,10 @@ fn openai_client_against_kimi_host_serve() {
         ),
     )
     .expect("config");
+    // The template's stop tokens, for tests that must keep a stream going.
+    let tok = kimi_host::tokenizer::Tokenizer::load(&model).expect("tokenizer");
+    let stops: Vec<String> =
+        ["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| tok.special_id(n)).map(|i| i.to_string()).collect();
     let py = python();
     let wasm = sampler_wasm();
     let _a = start(&main_cfg, main, &dir.path().join("main.log"));
@@ -160,6 +170,9 @@ fn openai_client_against_kimi_host_serve() {
         .env("KIMI_MODEL", "kimi-tiny")
         .env("KIMI_KEY_A", "key-a")
         .env("KIMI_KEY_B", "key-b")
+        .env("KIMI_KEY_C", "key-c")
+        .env("KIMI_KEY_D", "key-d")
+        .env("KIMI_STOP_IDS", stops.join(","))
         .env("KIMI_SAMPLER_WASM", &wasm)
         .env("KIMI_BIN", env!("CARGO_BIN_EXE_kimi-host"))
         .env("KIMI_TOKENIZER", &model)

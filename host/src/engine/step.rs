@@ -252,7 +252,13 @@ impl Worker {
                 seqs.push(Seq {
                     index: i,
                     // Only sequence 0 is prefilled; the others copy its state afterwards.
-                    state: if i == 0 { self.model.new_state() } else { SequenceState { layers: Vec::new(), len: 0 } },
+                    state: if i == 0 {
+                        let mut st = self.model.new_state();
+                        st.reserve_tokens(req.prompt.len() + req.max_tokens);
+                        st
+                    } else {
+                        SequenceState { layers: Vec::new(), len: 0 }
+                    },
                     sampler_seq: Some(h),
                     matcher: req.constraint.clone(),
                     generated: 0,
@@ -323,8 +329,10 @@ impl Worker {
                     r.prefilled += take;
                     if !r.in_prefill() {
                         let base = r.seqs[0].state.clone();
+                        let total = r.req.prompt.len() + r.req.max_tokens;
                         for s in r.seqs.iter_mut().skip(1) {
                             s.state = base.clone();
+                            s.state.reserve_tokens(total);
                         }
                         for s in &r.seqs {
                             rows.push(Row { run: ri, seq: s.index, logits: logits.clone() });

@@ -109,6 +109,19 @@ impl SequenceState {
         SequenceState { layers, len: 0 }
     }
 
+    /// Allocates room for `tokens` tokens in every latent cache up front, so a sequence's
+    /// memory is what its pool reservation says (growth by doubling could take up to twice that).
+    pub fn reserve_tokens(&mut self, tokens: usize) {
+        for l in &mut self.layers {
+            if let LayerState::Mla(c) = l {
+                let rows = tokens.saturating_mul(c.width).saturating_sub(c.rows.len());
+                c.rows.reserve_exact(rows);
+                let keys = tokens.saturating_mul(c.index_dim).saturating_sub(c.index_keys.len());
+                c.index_keys.reserve_exact(keys);
+            }
+        }
+    }
+
     pub fn kda(&self, layer: usize) -> Option<&KdaState> {
         match self.layers.get(layer) {
             Some(LayerState::Kda(s)) => Some(s),

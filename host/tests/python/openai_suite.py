@@ -229,6 +229,52 @@ def test_tenant_policies():
     assert len(chat(max_tokens=4, n=2, temperature=1.5).choices) == 2
 
 
+def test_rate_and_concurrency_limits_answer_429_with_retry_after():
+    # Tenant C: policy-limits at 2 requests per minute; the third request is refused.
+    c = OpenAI(base_url=URL + "/v1", api_key=os.environ["KIMI_KEY_C"], max_retries=0, timeout=120)
+    for _ in range(2):
+        c.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    try:
+        c.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+        raise AssertionError("rate limit not enforced")
+    except openai.RateLimitError as e:
+        assert int(e.response.headers["retry-after"]) >= 1, e.response.headers
+        assert "rate limit" in e.message, e.message
+    # Tenant A is not affected by C's limits.
+    assert chat(max_tokens=2).choices
+
+
+def test_concurrency_cap_answers_429():
+    # Tenant D allows 2 requests in flight: hold two long streams open, the third is refused.
+    headers = {"Authorization": "Bearer " + os.environ["KIMI_KEY_D"]}
+    # The stop tokens are biased away so the held streams cannot end on their own.
+    body = {"model": MODEL, "messages": USER, "max_tokens": 4000, "stream": True,
+            "logit_bias": {i: -100 for i in os.environ["KIMI_STOP_IDS"].split(",")}}
+    http = httpx.Client(timeout=120)
+    held = [http.stream("POST", URL + "/v1/chat/completions", headers=headers, json=body) for _ in range(2)]
+    readers = []  # a dropped line iterator closes its connection (a client that left)
+    try:
+        for h in held:
+            r = h.__enter__()
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            next(readers[-1])
+        r = httpx.post(URL + "/v1/chat/completions", headers=headers, json={**body, "stream": False})
+        assert r.status_code == 429 and r.headers.get("retry-after"), (r.status_code, r.text)
+        assert "concurrent" in r.json()["error"]["message"], r.text
+    finally:
+        for h in held:
+            h.__exit__(None, None, None)
+        http.close()
+
+
+def test_thinking_budget_bounds_reasoning():
+    r = chat(max_tokens=300, seed=4, logprobs=True, extra_body={"thinking": {"type": "enabled", "budget_tokens": 6}})
+    tokens = [e.token for e in r.choices[0].logprobs.content]
+    assert "<|close|>" in tokens, tokens[:40]
+    assert tokens.index("<|close|>") <= 6, tokens[:10]
+
+
 def post_raw(body, key=KEY_A, raw=None):
     headers = {"Content-Type": "application/json"}
     if key is not None:
