@@ -136,6 +136,7 @@ async fn run(
     };
     let Prepared { request, template, parser_info, meta, prompt_len } = prep;
     let n = request.n;
+    let stop_tokens = request.stop_tokens.clone();
     let mut handle = s.engine.submit(request).map_err(engine_error)?;
     // Wait for the first event so that a refusal (e.g. the pool stayed full) is a real status.
     let first = handle.events.recv().await;
@@ -162,6 +163,7 @@ async fn run(
         t0,
         _in_flight: in_flight,
         first_token: None,
+        stop_tokens,
     };
     if run.params.stream { Ok(stream(run, handle, outs, first)) } else { collect(run, handle, outs, first).await }
 }
@@ -403,6 +405,8 @@ struct Run {
     t0: Instant,
     _in_flight: InFlight,
     first_token: Option<Instant>,
+    /// The tokens that end a sequence (kept out of text, logprobs stay with the text).
+    stop_tokens: Vec<u32>,
 }
 
 /// What one step of a sequence adds to its answer.
@@ -581,12 +585,7 @@ impl Run {
     }
 
     /// Applies one engine event; returns (sequence index, deltas), or an error for the request.
-    fn apply(
-        &mut self,
-        ev: SeqEvent,
-        outs: &mut [SeqOut],
-        stop_tokens: &[u32],
-    ) -> Result<Option<(usize, Vec<Delta>)>, ApiError> {
+    fn apply(&mut self, ev: SeqEvent, outs: &mut [SeqOut]) -> Result<Option<(usize, Vec<Delta>)>, ApiError> {
         match ev {
             SeqEvent::Token { index, id, logprob } => {
                 let now = Instant::now();
@@ -599,7 +598,7 @@ impl Run {
                     self.s.metrics.inter_token.observe(now.duration_since(last).as_secs_f64());
                 }
                 o.last_token = Some(now);
-                let d = o.on_token(&self.s.tok, id, logprob, stop_tokens.contains(&id));
+                let d = o.on_token(&self.s.tok, id, logprob, self.stop_tokens.contains(&id));
                 Ok(Some((index, d)))
             }
             SeqEvent::Finished { index, reason } => {
@@ -683,7 +682,6 @@ async fn collect(
     mut outs: Vec<SeqOut>,
     first: Option<SeqEvent>,
 ) -> Result<Response, ApiError> {
-    let stop_tokens = stop_tokens_of(&run);
     let mut next = first;
     while outs.iter().any(|o| !o.done()) {
         let Some(ev) = next.take() else {
@@ -695,7 +693,7 @@ async fn collect(
                 None => return Err(ApiError::internal("the engine ended the request without finishing it")),
             }
         };
-        if let Some((i, _)) = run.apply(ev, &mut outs, &stop_tokens)?
+        if let Some((i, _)) = run.apply(ev, &mut outs)?
             && outs[i].done()
         {
             handle.cancel(i);
@@ -721,15 +719,6 @@ async fn collect(
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
-fn stop_tokens_of(run: &Run) -> Vec<u32> {
-    // The engine ends sequences on these; the accumulator keeps them out of text and logprobs.
-    let mut v = run.s.env.eos_tokens.clone();
-    if let Some(e) = run.s.tok.special_id("<|end_of_msg|>") {
-        v.push(e);
-    }
-    v
-}
-
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
@@ -740,7 +729,6 @@ fn sse(v: &Value) -> Bytes {
 fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Option<SeqEvent>) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
     tokio::spawn(async move {
-        let stop_tokens = stop_tokens_of(&run);
         let chat = run.ep == Endpoint::Chat;
         if chat {
             let roles: Vec<Value> = (0..outs.len())
@@ -761,7 +749,7 @@ fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Opt
                     None => break,
                 },
             };
-            match run.apply(ev, &mut outs, &stop_tokens) {
+            match run.apply(ev, &mut outs) {
                 Ok(Some((i, deltas))) => {
                     if sent_finish[i] {
                         continue;
