@@ -226,6 +226,33 @@ pub fn tool_schemas() -> Vec<serde_json::Value> {
     ]
 }
 
+/// A pseudo-random constrained walk of up to `steps` tokens, timing each mask (µs).
+fn walk(
+    m: &mut crate::grammar::ConstraintMatcher,
+    steps: usize,
+    eos: u32,
+    x: &mut u64,
+    times: &mut Vec<f64>,
+) -> Result<(), String> {
+    for _ in 0..steps {
+        let t = Instant::now();
+        let mask = m.mask().map_err(|e| e.to_string())?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        let mut allowed = Vec::new();
+        mask.iter_set_entries(|i| allowed.push(i as u32));
+        if allowed.is_empty() || allowed.contains(&eos) {
+            break;
+        }
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        if m.consume(allowed[(*x % allowed.len() as u64) as usize]).is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// Grammar compile and mask times on the given tokenizer's vocabulary (the Kimi one: 163,840).
 fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, PluginError> {
     use crate::grammar::{Constraint, GrammarEngine};
@@ -260,22 +287,7 @@ fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, Plu
     while masks.len() < steps.max(200) && walks < 1000 {
         walks += 1;
         let mut m = engine.matcher(&Constraint::JsonSchema(schema(walks % 20))).map_err(|e| err(e.to_string()))?;
-        for _ in 0..200 {
-            let t = Instant::now();
-            let mask = m.mask().map_err(|e| err(e.to_string()))?;
-            masks.push(t.elapsed().as_secs_f64() * 1e6);
-            let mut allowed = Vec::new();
-            mask.iter_set_entries(|i| allowed.push(i as u32));
-            if allowed.is_empty() || allowed.contains(&eos) {
-                break;
-            }
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            if m.consume(allowed[(x % allowed.len() as u64) as usize]).is_err() {
-                break;
-            }
-        }
+        walk(&mut m, 200, eos, &mut x, &mut masks).map_err(err)?;
     }
     // The Kimi-K3 output grammars (grammar-kimi-k3's constraint) for the tool schemas of the
     // constrained-generation test: tool_choice required and named, and a json_schema response.
@@ -293,22 +305,7 @@ fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, Plu
             let t = Instant::now();
             let mut m = engine.matcher(&Constraint::Lark(g)).map_err(|e| err(e.to_string()))?;
             k3_compile.push(t.elapsed().as_secs_f64() * 1e6);
-            for _ in 0..40 {
-                let t = Instant::now();
-                let mask = m.mask().map_err(|e| err(e.to_string()))?;
-                k3_masks.push(t.elapsed().as_secs_f64() * 1e6);
-                let mut allowed = Vec::new();
-                mask.iter_set_entries(|i| allowed.push(i as u32));
-                if allowed.is_empty() || allowed.contains(&eos) {
-                    break;
-                }
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if m.consume(allowed[(x % allowed.len() as u64) as usize]).is_err() {
-                    break;
-                }
-            }
+            walk(&mut m, 40, eos, &mut x, &mut k3_masks).map_err(err)?;
         }
     }
     Ok(vec![

@@ -2,19 +2,18 @@
 //! from its file path; `examples/python-policy` is built with componentize-py (installed from
 //! PyPI into a virtualenv under the target directory) and run.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
+use common::{build_custom_sampler, repo, run};
 use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
 use kimi_host::plugins::{
     Admission, PluginEnv, PluginKind, PluginRuntime, PolicyPlugin, RequestMeta, RuntimeOptions, SamplerPlugin,
     TenantSampler, TenantServices,
 };
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 fn tmp() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -24,28 +23,9 @@ fn runtime() -> Arc<PluginRuntime> {
     PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: Some(tmp().join("plugin-cache")) }).expect("runtime")
 }
 
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn custom_sampler_example_builds_loads_and_samples() {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let manifest = repo().join("examples/custom-sampler/Cargo.toml");
-    let target = repo().join("plugins/target");
-    run(Command::new(cargo)
-        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2", "--manifest-path"])
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target)
-        .env_remove("CARGO_TARGET_DIR"));
-    let wasm = target.join("wasm32-wasip2/release/typical_sampler.wasm");
+    let wasm = build_custom_sampler();
     let bytes = std::fs::read(&wasm).expect("built component");
     let rt = runtime();
     let compiled = rt.load(&wasm.display().to_string(), &bytes).expect("loads from its file path");

@@ -2,29 +2,18 @@
 //! one with a state pool that holds two sequences), driven by `tests/python/openai_suite.py`
 //! through the official `openai` package, installed into a virtualenv by this test.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{build_custom_sampler, repo, run};
 use kimi_host::engine::pool::StateShape;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::server::config::key_hash;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
-}
-
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// A virtualenv with the pinned client packages (created once per target directory).
 fn python() -> PathBuf {
@@ -90,18 +79,6 @@ fn start(config: &Path, addr: SocketAddr, log: &Path) -> Server {
     panic!("kimi-host serve did not come up on {addr}");
 }
 
-fn sampler_wasm() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let target = repo().join("plugins/target");
-    run(Command::new(cargo)
-        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2", "--manifest-path"])
-        .arg(repo().join("examples/custom-sampler/Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&target)
-        .env_remove("CARGO_TARGET_DIR"));
-    target.join("wasm32-wasip2/release/typical_sampler.wasm")
-}
-
 #[test]
 fn openai_client_against_kimi_host_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -160,7 +137,7 @@ fn openai_client_against_kimi_host_serve() {
     let stops: Vec<String> =
         ["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| tok.special_id(n)).map(|i| i.to_string()).collect();
     let py = python();
-    let wasm = sampler_wasm();
+    let wasm = build_custom_sampler();
     let _a = start(&main_cfg, main, &dir.path().join("main.log"));
     let _b = start(&small_cfg, small, &dir.path().join("small.log"));
     let out = Command::new(&py)

@@ -1,4 +1,5 @@
-//! Shared helpers for tests that read `../shared/golden` (never copied into the project).
+//! Shared helpers for tests: the goldens in `../shared/golden` (never copied into the project),
+//! running commands, and building the custom-sampler example.
 
 #![allow(dead_code)]
 
@@ -129,4 +130,33 @@ pub fn assert_chi_square(counts: &[u32], want: &[f64], n: usize, what: &str) {
     }
     let bound = dof as f64 + 6.0 * (2.0 * dof as f64).sqrt();
     assert!(chi2 < bound, "{what}: chi2 {chi2:.1} over {dof} dof");
+}
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs a command; on failure, panics with its output.
+pub fn run(cmd: &mut std::process::Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Builds `examples/custom-sampler` (typical-p) for wasm32-wasip2; returns the component's path.
+pub fn build_custom_sampler() -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = repo().join("plugins/target");
+    run(std::process::Command::new(cargo)
+        .args(["build", "--release", "--locked", "--target", "wasm32-wasip2", "--manifest-path"])
+        .arg(repo().join("examples/custom-sampler/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .env_remove("CARGO_TARGET_DIR"));
+    target.join("wasm32-wasip2/release/typical_sampler.wasm")
 }
