@@ -248,6 +248,12 @@ impl Engine {
         Ok(GenHandle { events: rx, cancel })
     }
 
+    /// Whether the engine thread is up and admitting work.
+    pub fn is_running(&self) -> bool {
+        self.accepting.load(Ordering::Relaxed)
+            && self.thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Stops admitting, lets running sequences finish for up to `grace`, ends the rest with
     /// `ShuttingDown`, and joins the engine thread. Blocking.
     pub fn shutdown(&self, grace: Duration) {

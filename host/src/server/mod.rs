@@ -202,15 +202,19 @@ async fn not_found() -> ApiError {
     ApiError::not_found("no such endpoint")
 }
 
+/// Readiness: 503 once the engine has stopped (shutdown or a fault), so a load balancer stops
+/// sending requests here.
 async fn health(State(s): State<Shared>) -> Response {
     let stats = &s.engine.stats;
+    let alive = s.engine.is_running();
     let body = json!({
-        "status": "ok",
+        "status": if alive { "ok" } else { "engine stopped" },
         "model": s.model_name,
         "waiting": stats.waiting.load(std::sync::atomic::Ordering::Relaxed),
         "running": stats.running_seqs.load(std::sync::atomic::Ordering::Relaxed),
     });
-    (StatusCode::OK, axum::Json(body)).into_response()
+    let status = if alive { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(body)).into_response()
 }
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
