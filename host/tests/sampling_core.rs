@@ -47,3 +47,76 @@ fn empirical_distribution_matches_exact() {
         common::assert_chi_square(&counts, &want, n, &format!("{p:?}"));
     }
 }
+
+/// Penalties and biases applied by brute force to the whole row (vLLM / OpenAI meanings).
+fn penalised(row: &[f32], p: &Params, prompt: &[u32], output: &[u32]) -> Vec<f32> {
+    row.iter()
+        .enumerate()
+        .map(|(i, &raw)| {
+            let i = i as u32;
+            let count = output.iter().filter(|&&t| t == i).count() as f32;
+            let seen = count > 0.0 || prompt.contains(&i);
+            let mut l = raw;
+            if seen {
+                l = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
+            }
+            if count > 0.0 {
+                l -= p.frequency_penalty * count + p.presence_penalty;
+            }
+            l + p.logit_bias.get(&i).copied().unwrap_or(0.0)
+        })
+        .collect()
+}
+
+#[test]
+fn penalties_biases_and_rollback_match_brute_force() {
+    // Peaked logits (the top tokens carry most of the mass), so penalties on them matter.
+    let logits: Vec<f32> = (0..400).map(|i| 6.0 - 2.0 * (((i * 7919) % 400) as f32 + 1.0).ln()).collect();
+    let top: Vec<u32> = top_k(&logits, 8).into_iter().map(|c| c.0).collect();
+    let low = top_k(&logits, 400)[350].0;
+    let prompt = vec![top[0], top[3], 17, 17];
+    // Generated: top[1] three times, top[2] once, top[0] once; the last two are rolled back.
+    let generated = vec![top[1], top[2], top[1], top[1], top[0], 99, top[5]];
+    let kept = &generated[..generated.len() - 2];
+    for p in [
+        Params { temperature: 0.9, frequency_penalty: 0.7, presence_penalty: 0.4, ..Default::default() },
+        Params { temperature: 1.1, repetition_penalty: 1.6, top_p: 0.9, ..Default::default() },
+        Params {
+            temperature: 1.0,
+            frequency_penalty: -0.5,
+            repetition_penalty: 0.8,
+            min_p: 0.02,
+            logit_bias: [(low, 9.0), (top[0], -3.0)].into_iter().collect(),
+            ..Default::default()
+        },
+        Params { temperature: 0.8, top_k: 5, presence_penalty: 1.5, ..Default::default() },
+        // top-k past the candidate list, then top-p and min-p (the kept set is only partly known).
+        Params { temperature: 1.2, top_k: 40, top_p: 0.8, min_p: 0.01, frequency_penalty: 1.0, ..Default::default() },
+        Params { temperature: 1.5, top_p: 0.97, repetition_penalty: 1.3, ..Default::default() },
+    ] {
+        let row = penalised(&logits, &p, &prompt, kept);
+        let want = exact(&row, &p);
+        let mut s = SeqState::new(p.clone(), 3);
+        s.accept(&prompt);
+        s.sample(&mut SliceLogits(&logits), vec![]).unwrap(); // ends the prompt
+        s.accept(&generated);
+        s.rollback(2);
+        let n = 40_000;
+        let mut counts = vec![0u32; logits.len()];
+        for _ in 0..n {
+            // A short candidate list (as a host would send): penalised tokens leave it, the
+            // biased low token joins it from outside.
+            let cands = top_k(&logits, 16);
+            counts[s.sample(&mut SliceLogits(&logits), cands).unwrap() as usize] += 1;
+        }
+        common::assert_chi_square(&counts, &want, n, &format!("{p:?}"));
+        // Greedy under the same adjustments is the adjusted argmax.
+        let mut g = SeqState::new(Params { temperature: 0.0, ..p.clone() }, 1);
+        g.accept(&prompt);
+        g.sample(&mut SliceLogits(&logits), vec![]).unwrap();
+        g.accept(&generated);
+        g.rollback(2);
+        let argmax = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).unwrap().0;
+        assert_eq!(g.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap() as usize, argmax, "{p:?}");
+    }
+}

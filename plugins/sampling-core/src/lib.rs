@@ -6,7 +6,8 @@
 //! Pure Rust with no dependencies: the `sampler-standard` plugin runs it inside Wasm against the
 //! host's `step-logits` resource; the host runs the same code natively as its fallback sampler.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasherDefault;
 
 /// Where logits come from (the host resource inside a plugin; a slice natively).
 pub trait LogitsSource {
@@ -119,22 +120,62 @@ impl Rng {
     }
 }
 
-/// Per-sequence state: token counts for the penalties, and the RNG.
+/// How often a token occurs: in the output (frequency / presence penalties) and anywhere in the
+/// prompt or output (repetition penalty).
+#[derive(Clone, Copy, Debug, Default)]
+struct Occurrences {
+    output: u32,
+    any: u32,
+}
+
+/// A hasher for token ids: ids are small distinct integers, so one multiply spreads them well,
+/// and it needs no random seed (a Wasm guest has no entropy source).
+#[derive(Clone, Copy, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, x: u32) {
+        self.0 = (x as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type IdMap<V> = HashMap<u32, V, BuildHasherDefault<IdHasher>>;
+
+/// Per-sequence state: token occurrences for the penalties (kept up to date on every accept and
+/// rollback, so a step costs time in the number of distinct tokens, not the sequence length),
+/// and the RNG.
 #[derive(Clone, Debug)]
 pub struct SeqState {
     pub params: Params,
     pub rng: Rng,
     tokens: Vec<u32>,
     prompt_len: Option<usize>,
+    occurrences: IdMap<Occurrences>,
 }
 
 impl SeqState {
     pub fn new(params: Params, seed: u64) -> SeqState {
-        SeqState { params, rng: Rng::new(seed), tokens: Vec::new(), prompt_len: None }
+        SeqState { params, rng: Rng::new(seed), tokens: Vec::new(), prompt_len: None, occurrences: IdMap::default() }
     }
 
     /// Appends tokens (before the first `sample`, they are the prompt).
     pub fn accept(&mut self, ids: &[u32]) {
+        let output = self.prompt_len.is_some();
+        for &t in ids {
+            let o = self.occurrences.entry(t).or_default();
+            o.any += 1;
+            o.output += output as u32;
+        }
         self.tokens.extend_from_slice(ids);
     }
 
@@ -142,6 +183,15 @@ impl SeqState {
     pub fn rollback(&mut self, n: usize) {
         let floor = self.prompt_len.unwrap_or(0);
         let keep = self.tokens.len().saturating_sub(n).max(floor);
+        for &t in &self.tokens[keep..] {
+            if let Some(o) = self.occurrences.get_mut(&t) {
+                o.any -= 1;
+                o.output = o.output.saturating_sub(1);
+                if o.any == 0 {
+                    self.occurrences.remove(&t);
+                }
+            }
+        }
         self.tokens.truncate(keep);
     }
 
@@ -149,29 +199,29 @@ impl SeqState {
         SeqState { rng: Rng::new(seed), ..self.clone() }
     }
 
-    fn output(&self) -> &[u32] {
-        &self.tokens[self.prompt_len.unwrap_or(self.tokens.len())..]
-    }
-
-    /// The tokens whose logits this step changes, with their adjustment applied to a raw logit.
-    fn adjustments(&self) -> BTreeMap<u32, (u32, bool)> {
-        // token → (output count, occurs in prompt or output)
-        let mut m: BTreeMap<u32, (u32, bool)> = BTreeMap::new();
+    /// The tokens whose logits this step changes, sorted by id, with (output count, occurs in
+    /// prompt or output).
+    fn adjusted_tokens(&self, vocab: u32) -> Vec<(u32, u32, bool)> {
         let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            for &t in &self.tokens {
-                m.entry(t).or_default().1 = true;
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for &t in self.output() {
-                m.entry(t).or_default().0 += 1;
-            }
+        let repetition = p.repetition_penalty != 1.0;
+        let counted = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let mut v: Vec<(u32, u32, bool)> = Vec::new();
+        if repetition || counted {
+            v.extend(
+                self.occurrences
+                    .iter()
+                    .filter(|(_, o)| repetition || o.output > 0)
+                    .map(|(&t, o)| (t, if counted { o.output } else { 0 }, o.any > 0)),
+            );
         }
         for &t in p.logit_bias.keys() {
-            m.entry(t).or_default();
+            let o = self.occurrences.get(&t).copied().unwrap_or_default();
+            v.push((t, if counted { o.output } else { 0 }, o.any > 0));
         }
-        m
+        v.retain(|a| a.0 < vocab);
+        v.sort_unstable_by_key(|a| a.0);
+        v.dedup_by_key(|a| a.0);
+        v
     }
 
     fn adjust(&self, token: u32, raw: f32, count: u32, seen: bool) -> f32 {
@@ -206,17 +256,17 @@ impl SeqState {
         if vocab == 0 {
             return Err("empty vocabulary".into());
         }
-        let adj = self.adjustments();
-        let adj_ids: Vec<u32> = adj.keys().copied().filter(|&t| t < vocab).collect();
+        let adj = self.adjusted_tokens(vocab);
+        let adj_ids: Vec<u32> = adj.iter().map(|a| a.0).collect();
         let adj_raw = src.gather(&adj_ids);
-        let adj_val: Vec<f32> = adj_ids
+        // The adjusted tokens in canonical order (adjusted logit descending, then id).
+        let mut adjusted: Vec<(u32, f32)> = adj
             .iter()
             .zip(&adj_raw)
-            .map(|(&id, &raw)| {
-                let (count, seen) = adj[&id];
-                self.adjust(id, raw, count, seen)
-            })
+            .map(|(&(id, count, seen), &raw)| (id, self.adjust(id, raw, count, seen)))
+            .filter(|c| !c.1.is_nan())
             .collect();
+        adjusted.sort_unstable_by(canonical);
         let mut cands = candidates;
         let mut k = (cands.len() as u32).max(64.min(vocab));
         if cands.len() < k as usize {
@@ -230,24 +280,28 @@ impl SeqState {
             // Z = Z_full − Σ_adj e^{raw/t} + Σ_adj e^{adj/t}, relative to e^{lse_full}.
             let lse_full = src.log_sum_exp(t) as f64;
             let mut z_rel = 1.0f64;
-            for (raw, a) in adj_raw.iter().zip(&adj_val) {
+            for (&(id, count, seen), &raw) in adj.iter().zip(&adj_raw) {
                 if !raw.is_nan() {
+                    let a = self.adjust(id, raw, count, seen);
                     z_rel += ((a / t) as f64 - lse_full).exp() - ((raw / t) as f64 - lse_full).exp();
                 }
             }
             (lse_full + z_rel.max(f64::MIN_POSITIVE).ln(), self.rng.next_f64())
         };
-        let p = self.params.clone();
+        let mut u = u;
+        // Set once a draw has been read in whole-vocabulary probability units (see below).
+        let mut full_units = false;
         loop {
             let complete = k >= vocab;
-            let mut list: Vec<(u32, f32)> = Vec::with_capacity(cands.len() + adj_ids.len());
-            list.extend(cands.iter().copied().filter(|c| !adj.contains_key(&c.0)));
-            list.extend(adj_ids.iter().copied().zip(adj_val.iter().copied()));
-            list.retain(|c| !c.1.is_nan());
-            if !adj_ids.is_empty() {
-                // Candidates arrive sorted; only the adjusted tokens need placing.
-                list.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            if !cands.is_sorted_by(|a, b| canonical(a, b).is_le()) {
+                cands.sort_unstable_by(canonical);
             }
+            // Candidates without the adjusted tokens, merged with the adjusted ones.
+            let list = merge_canonical(
+                cands.iter().copied().filter(|c| !c.1.is_nan() && adj_ids.binary_search(&c.0).is_err()),
+                &adjusted,
+                cands.len() + adjusted.len(),
+            );
             if list.is_empty() {
                 return Err("no finite logits".into());
             }
@@ -255,82 +309,114 @@ impl SeqState {
             // The canonical-order prefix this list is sure of.
             let walk = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
             let grow = |k: u32| (k.saturating_mul(4)).min(vocab);
-            if greedy {
-                if walk > 0 {
-                    return Ok(list[0].0);
-                }
+            if walk == 0 {
                 k = grow(k);
                 cands = src.top_k(k);
                 continue;
             }
+            if greedy {
+                return Ok(list[0].0);
+            }
             // Probabilities are computed lazily: most steps stop after a handful of tokens.
             let mut lazy = LazyProbs { list: &list[..walk], t, log_z, probs: Vec::new() };
-            let mut keep = walk;
-            let mut truncated = false;
-            let mut need_more = false;
-            if p.top_k > 0 && p.top_k < vocab {
-                if (p.top_k as usize) <= walk {
-                    keep = p.top_k as usize;
-                    truncated = true;
-                } else if !complete {
-                    need_more = true;
-                }
-            }
-            if !need_more && p.top_p < 1.0 {
-                let norm: f64 = if truncated { lazy.sum(keep) } else { 1.0 };
-                let mut cum = 0.0;
-                let mut cut = None;
-                for i in 0..keep {
-                    cum += lazy.get(i) / norm;
-                    if cum >= p.top_p as f64 {
-                        cut = Some(i + 1);
-                        break;
+            let (kept, exact) = self.kept_set(&mut lazy, complete, vocab, outside_max);
+            if exact && !full_units {
+                // The kept set is known: draw within it.
+                let target = u * lazy.sum(kept);
+                let mut acc = 0.0;
+                for i in 0..kept {
+                    acc += lazy.get(i);
+                    if target < acc {
+                        return Ok(list[i].0);
                     }
                 }
-                match cut {
-                    Some(c) => {
-                        keep = c;
-                        truncated = true;
-                    }
-                    None if !truncated && !complete => need_more = true,
-                    None => {}
+                // Rounding left the draw just past the last kept token.
+                return Ok(list[kept - 1].0);
+            }
+            // The kept set may reach past the list (or the draw started that way): read the draw
+            // in whole-vocabulary units, where each token's interval is fixed by the canonical
+            // order alone. A draw inside a token surely kept picks it; one past the kept set is
+            // rejected and redrawn — so token i comes out with probability p_i / P(kept), exactly,
+            // without fetching more candidates unless the draw lands beyond what is known.
+            full_units = true;
+            let mut acc = 0.0;
+            for i in 0..kept {
+                acc += lazy.get(i);
+                if u < acc {
+                    return Ok(list[i].0);
                 }
             }
-            if !need_more && p.min_p > 0.0 && keep > 0 {
-                let floor = p.min_p as f64 * lazy.get(0);
-                let outside_p = if complete { 0.0 } else { ((outside_max / t) as f64 - log_z).exp() };
-                if !truncated && !complete && outside_p >= floor {
-                    need_more = true;
-                } else {
-                    let mut c = 1;
-                    while c < keep && lazy.get(c) >= floor {
-                        c += 1;
-                    }
-                    keep = c;
-                    truncated = true;
-                }
-            }
-            if need_more || keep == 0 {
-                k = grow(k.max(p.top_k));
-                cands = src.top_k(k);
+            if exact {
+                u = self.rng.next_f64();
+                full_units = false;
                 continue;
             }
-            let target = if truncated { u * lazy.sum(keep) } else { u };
-            let mut acc = 0.0;
-            for (i, c) in list[..keep].iter().enumerate() {
-                acc += lazy.get(i);
-                if target < acc {
-                    return Ok(c.0);
-                }
-            }
-            if truncated || complete {
-                // Rounding left the draw just past the last kept token.
-                return Ok(list[keep - 1].0);
-            }
-            k = grow(k);
+            k = grow(k.max(self.params.top_k));
             cands = src.top_k(k);
         }
     }
+
+    /// How many leading tokens of `list` (the canonical-order prefix known so far) the filters
+    /// keep, and whether that is the whole kept set (`true`) or only the part of it known to be
+    /// kept while it may reach past the list (`false`). Filters: top-k, then top-p over the top-k
+    /// renormalised mass, then min-p relative to the top token.
+    fn kept_set(&self, lazy: &mut LazyProbs<'_>, complete: bool, vocab: u32, outside_max: f32) -> (usize, bool) {
+        let p = &self.params;
+        let len = lazy.list.len();
+        let mut bound = len;
+        let mut exact = complete;
+        let top_k_on = p.top_k > 0 && p.top_k < vocab;
+        if top_k_on && (p.top_k as usize) <= bound {
+            bound = p.top_k as usize;
+            exact = true;
+        }
+        if p.top_p < 1.0 {
+            // The top-k mass is exact once its cut is known, else at least the known part.
+            let norm: f64 = if top_k_on { lazy.sum(bound) } else { 1.0 };
+            let norm_exact = exact || !top_k_on;
+            let mut cum = 0.0;
+            for i in 0..bound {
+                cum += lazy.get(i) / norm;
+                if cum >= p.top_p as f64 {
+                    // With only a lower bound on the mass, the cut could lie further on.
+                    bound = i + 1;
+                    exact |= norm_exact;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p as f64 * lazy.get(0);
+            let c = (1..bound).find(|&i| lazy.get(i) < floor).unwrap_or(bound);
+            if c < bound {
+                bound = c;
+                exact = true;
+            } else if !exact && bound == len && ((outside_max / lazy.t) as f64 - lazy.log_z).exp() < floor {
+                // Nothing past the list can pass min-p.
+                exact = true;
+            }
+        }
+        (bound, exact)
+    }
+}
+
+/// Canonical order: logit descending, then id ascending.
+fn canonical(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Merges two lists that are each in canonical order.
+fn merge_canonical(a: impl Iterator<Item = (u32, f32)>, b: &[(u32, f32)], capacity: usize) -> Vec<(u32, f32)> {
+    let mut out = Vec::with_capacity(capacity);
+    let mut b = b.iter().copied().peekable();
+    for x in a {
+        while let Some(y) = b.next_if(|y| canonical(y, &x).is_lt()) {
+            out.push(y);
+        }
+        out.push(x);
+    }
+    out.extend(b);
+    out
 }
 
 /// Probabilities of a sorted candidate prefix, computed on first use.
