@@ -91,6 +91,9 @@ pub struct GrammarEngine {
     vocab_size: usize,
 }
 
+/// Extra string-content slices (characters), beside llguidance's 10 / 30 / unbounded ones.
+const BOUNDED_STRING_SLICES: [usize; 5] = [2, 3, 4, 6, 8];
+
 /// Distinct constraints kept compiled.
 const CACHE_ENTRIES: usize = 1024;
 
@@ -113,7 +116,15 @@ impl GrammarEngine {
         let info = TokRxInfo::new(vocab_size as u32, eos);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(KimiTokEnv { trie, tok });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Engine(format!("{e:#}")))?;
+        // llguidance's slices let a mask inside a JSON string skip walking the trie for tokens it
+        // knows are allowed; the stock ones stop at 10 characters, so inside a string with fewer
+        // than 10 characters left before its `maxLength` every mask walked the whole 163,840-token
+        // trie (~1.4 ms). Shorter slices cut those masks to a fraction (bench plugins: p99 1.5 →
+        // ~0.9 ms on bounded-string schemas) for ~5% more compile time.
+        let mut slices = llguidance::earley::SlicedBiasComputer::general_slices();
+        slices.extend(BOUNDED_STRING_SLICES.iter().map(|n| format!(r#"[^"\\\x00-\x1F\x7F]{{1,{n}}}"#)));
+        let mut factory = ParserFactory::new(&env, Default::default(), &slices)
+            .map_err(|e| GrammarError::Engine(format!("{e:#}")))?;
         factory.quiet();
         Ok(GrammarEngine { factory, cache: Mutex::new(HashMap::new()), vocab_size })
     }
