@@ -323,15 +323,8 @@ impl SeqState {
             if exact && !full_units {
                 // The kept set is known: draw within it.
                 let target = u * lazy.sum(kept);
-                let mut acc = 0.0;
-                for i in 0..kept {
-                    acc += lazy.get(i);
-                    if target < acc {
-                        return Ok(list[i].0);
-                    }
-                }
-                // Rounding left the draw just past the last kept token.
-                return Ok(list[kept - 1].0);
+                // Past the end only by rounding: the last kept token.
+                return Ok(list[lazy.pick(kept, target).unwrap_or(kept - 1)].0);
             }
             // The kept set may reach past the list (or the draw started that way): read the draw
             // in whole-vocabulary units, where each token's interval is fixed by the canonical
@@ -339,12 +332,8 @@ impl SeqState {
             // rejected and redrawn — so token i comes out with probability p_i / P(kept), exactly,
             // without fetching more candidates unless the draw lands beyond what is known.
             full_units = true;
-            let mut acc = 0.0;
-            for i in 0..kept {
-                acc += lazy.get(i);
-                if u < acc {
-                    return Ok(list[i].0);
-                }
+            if let Some(i) = lazy.pick(kept, u) {
+                return Ok(list[i].0);
             }
             if exact {
                 u = self.rng.next_f64();
@@ -375,14 +364,14 @@ impl SeqState {
             let norm: f64 = if top_k_on { lazy.sum(bound) } else { 1.0 };
             let norm_exact = exact || !top_k_on;
             let mut cum = 0.0;
-            for i in 0..bound {
+            let cut = (0..bound).find(|&i| {
                 cum += lazy.get(i) / norm;
-                if cum >= p.top_p as f64 {
-                    // With only a lower bound on the mass, the cut could lie further on.
-                    bound = i + 1;
-                    exact |= norm_exact;
-                    break;
-                }
+                cum >= p.top_p as f64
+            });
+            if let Some(i) = cut {
+                // With only a lower bound on the mass, the cut could lie further on.
+                bound = i + 1;
+                exact |= norm_exact;
             }
         }
         if p.min_p > 0.0 {
@@ -434,6 +423,15 @@ impl LazyProbs<'_> {
             self.probs.push(((c.1 / self.t) as f64 - self.log_z).exp());
         }
         self.probs[i]
+    }
+
+    /// The first of the leading `n` tokens whose cumulative probability exceeds `target`.
+    fn pick(&mut self, n: usize, target: f64) -> Option<usize> {
+        let mut acc = 0.0;
+        (0..n).find(|&i| {
+            acc += self.get(i);
+            target < acc
+        })
     }
 
     fn sum(&mut self, n: usize) -> f64 {
