@@ -259,13 +259,15 @@ impl SeqState {
         let adj = self.adjusted_tokens(vocab);
         let adj_ids: Vec<u32> = adj.iter().map(|a| a.0).collect();
         let adj_raw = src.gather(&adj_ids);
-        // The adjusted tokens in canonical order (adjusted logit descending, then id).
-        let mut adjusted: Vec<(u32, f32)> = adj
+        // (id, raw, adjusted) for every token this step changes.
+        let changed: Vec<(u32, f32, f32)> = adj
             .iter()
             .zip(&adj_raw)
-            .map(|(&(id, count, seen), &raw)| (id, self.adjust(id, raw, count, seen)))
-            .filter(|c| !c.1.is_nan())
+            .map(|(&(id, count, seen), &raw)| (id, raw, self.adjust(id, raw, count, seen)))
             .collect();
+        // The adjusted tokens in canonical order (adjusted logit descending, then id).
+        let mut adjusted: Vec<(u32, f32)> =
+            changed.iter().map(|&(id, _, a)| (id, a)).filter(|c| !c.1.is_nan()).collect();
         adjusted.sort_unstable_by(canonical);
         let mut cands = candidates;
         let mut k = (cands.len() as u32).max(64.min(vocab));
@@ -280,9 +282,8 @@ impl SeqState {
             // Z = Z_full − Σ_adj e^{raw/t} + Σ_adj e^{adj/t}, relative to e^{lse_full}.
             let lse_full = src.log_sum_exp(t) as f64;
             let mut z_rel = 1.0f64;
-            for (&(id, count, seen), &raw) in adj.iter().zip(&adj_raw) {
+            for &(_, raw, a) in &changed {
                 if !raw.is_nan() {
-                    let a = self.adjust(id, raw, count, seen);
                     z_rel += ((a / t) as f64 - lse_full).exp() - ((raw / t) as f64 - lse_full).exp();
                 }
             }
