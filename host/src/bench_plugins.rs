@@ -127,8 +127,7 @@ pub fn bench_plugins(
     for _ in 0..steps {
         let t = Instant::now();
         for r in &data {
-            std::hint::black_box(kimi_kernels::cpu::reduce::top_k(r, 256));
-            std::hint::black_box(crate::plugins::host::row_stats(r));
+            std::hint::black_box(crate::plugins::host::row_candidates_and_stats(r, 256));
         }
         candidates_t.push(t.elapsed().as_secs_f64() * 1e6 / batch as f64);
         let batch_rows: Vec<(&crate::plugins::SeqHandle, &[f32])> =

@@ -315,6 +315,17 @@ pub fn row_stats(row: &[f32]) -> types::LogitStats {
     stats_of(row)
 }
 
+/// A sampler row's `k` candidates and its stats. The largest candidate is the argmax (same tie
+/// and NaN rules), so the row is scanned for the top-k and the log-sum-exp only, not a third time.
+pub fn row_candidates_and_stats(row: &[f32], k: usize) -> (types::LogitStats, Vec<(u32, f32)>) {
+    use kimi_kernels::cpu::reduce;
+    let mut top = reduce::top_k(row, k.max(1));
+    let (argmax, max) = top.first().copied().unwrap_or((0, f32::NEG_INFINITY));
+    let stats = types::LogitStats { max_logit: max, log_sum_exp: reduce::log_sum_exp_with_max(row, max, 1.0), argmax };
+    top.truncate(k);
+    (stats, top)
+}
+
 impl logits::Host for HostState {}
 
 impl logits::HostStepLogits for HostState {
@@ -430,5 +441,37 @@ impl rate_limit::Host for HostState {
 impl clock::Host for HostState {
     fn now_ms(&mut self) -> wasmtime::Result<u64> {
         Ok(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_and_stats_agree_with_the_separate_reductions() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rows: Vec<Vec<f32>> = vec![vec![], vec![f32::NAN; 5], vec![1.0, 3.0, 3.0, f32::NAN, -2.0]];
+        for n in [17usize, 300, 163_840] {
+            rows.push(
+                (0..n)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 40) as f32 / 1e5 - 50.0
+                    })
+                    .collect(),
+            );
+        }
+        for row in &rows {
+            for k in [0usize, 1, 4, 256] {
+                let (stats, top) = row_candidates_and_stats(row, k);
+                let want = row_stats(row);
+                assert_eq!((stats.argmax, stats.max_logit.to_bits()), (want.argmax, want.max_logit.to_bits()));
+                assert_eq!(stats.log_sum_exp.to_bits(), want.log_sum_exp.to_bits());
+                assert_eq!(top, kimi_kernels::cpu::reduce::top_k(row, k));
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use super::bindings::sampler::exports::kimi::host::sampler_plugin::{Capabilities
 use super::bindings::sampler::{Sampler, SamplerPre};
 use super::error::PluginError;
 use super::health::PluginHealth;
-use super::host::{HostState, PluginEnv, StepLogits, TenantServices, row_stats};
+use super::host::{HostState, PluginEnv, StepLogits, TenantServices, row_candidates_and_stats};
 use super::runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, set_deadline};
 
 /// A loaded sampler component, ready to instantiate cheaply.
@@ -198,7 +198,7 @@ impl SamplerInstance {
         let k = self.caps.max_candidates as usize;
         // Per-row host work (stats and candidates over the full row); in parallel when rows are
         // large enough for the hand-off to pay.
-        let prep = |logits: &[f32]| (row_stats(logits), kimi_kernels::cpu::reduce::top_k(logits, k));
+        let prep = |logits: &[f32]| row_candidates_and_stats(logits, k);
         let total: usize = rows.iter().map(|r| r.1.len()).sum();
         let prepared: Vec<_> = if rows.len() > 1 && total >= 1 << 18 {
             use rayon::prelude::*;
