@@ -43,6 +43,16 @@ pub enum Stat {
     P99,
 }
 
+impl Stat {
+    fn name(self) -> &'static str {
+        match self {
+            Stat::Mean => "mean",
+            Stat::P95 => "p95",
+            Stat::P99 => "p99",
+        }
+    }
+}
+
 impl Timing {
     fn target(mut self, stat: Stat, max_us: f64) -> Timing {
         let v = match stat {
@@ -370,14 +380,7 @@ pub fn print(timings: &[Timing]) {
         let targets: Vec<String> = t
             .targets
             .iter()
-            .map(|g| {
-                let stat = match g.stat {
-                    Stat::Mean => "mean",
-                    Stat::P95 => "p95",
-                    Stat::P99 => "p99",
-                };
-                format!("{stat} ≤ {} µs {}", g.max_us, if g.met { "met" } else { "MISSED" })
-            })
+            .map(|g| format!("{} ≤ {} µs {}", g.stat.name(), g.max_us, if g.met { "met" } else { "MISSED" }))
             .collect();
         println!(
             "{:<84} {:>10.2} {:>10.2} {:>10.2} {:>12} {:>8}  {}",

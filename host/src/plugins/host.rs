@@ -310,11 +310,6 @@ fn stats_of(row: &[f32]) -> types::LogitStats {
     types::LogitStats { max_logit: max, log_sum_exp: reduce::log_sum_exp_with_max(row, max, 1.0), argmax }
 }
 
-/// Stats of a logits row as the `logit-stats` record.
-pub fn row_stats(row: &[f32]) -> types::LogitStats {
-    stats_of(row)
-}
-
 /// A sampler row's `k` candidates and its stats. The largest candidate is the argmax (same tie
 /// and NaN rules), so the row is scanned for the top-k and the log-sum-exp only, not a third time.
 pub fn row_candidates_and_stats(row: &[f32], k: usize) -> (types::LogitStats, Vec<(u32, f32)>) {
@@ -467,7 +462,7 @@ mod tests {
         for row in &rows {
             for k in [0usize, 1, 4, 256] {
                 let (stats, top) = row_candidates_and_stats(row, k);
-                let want = row_stats(row);
+                let want = stats_of(row);
                 assert_eq!((stats.argmax, stats.max_logit.to_bits()), (want.argmax, want.max_logit.to_bits()));
                 assert_eq!(stats.log_sum_exp.to_bits(), want.log_sum_exp.to_bits());
                 assert_eq!(top, kimi_kernels::cpu::reduce::top_k(row, k));
