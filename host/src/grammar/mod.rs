@@ -1,11 +1,19 @@
 //! The native grammar engine: llguidance over the served tokenizer. Plugins describe a
 //! constraint (JSON Schema, Lark, regex, choice); the host compiles it once per distinct
 //! constraint (cached by hash) and computes token masks natively.
+//!
+//! Lark constraints in the subset our own grammars use (`lark_subset`, with `json_rules` for
+//! their `%json` values) are built straight into llguidance's internal form; everything else
+//! goes through llguidance's own front ends.
+
+mod json_rules;
+mod lark_subset;
+mod rules;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarInit, TopLevelGrammar};
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use sha2::{Digest, Sha256};
@@ -139,17 +147,50 @@ impl GrammarEngine {
         if let Some(m) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(ConstraintMatcher(m.deep_clone()));
         }
-        let grammar = c.grammar()?;
-        let m = Matcher::new(self.factory.create_parser(grammar));
-        if let Some(err) = m.get_error() {
-            return Err(GrammarError::Invalid(err));
-        }
+        let m = match self.compile_direct(c) {
+            Some(m) => m,
+            None => self.compile_llguidance(c)?,
+        };
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= CACHE_ENTRIES {
             cache.clear();
         }
         cache.insert(key, m.deep_clone());
         Ok(ConstraintMatcher(m))
+    }
+
+    /// `c` built without llguidance's front ends, when it is in the subset that allows it.
+    fn compile_direct(&self, c: &Constraint) -> Option<Matcher> {
+        let Constraint::Lark(text) = c else { return None };
+        let (grammar, lexer) = match lark_subset::compile(text, self.factory.tok_env().tok_trie()) {
+            Ok(built) => built,
+            Err(why) => {
+                tracing::debug!(reason = %why.0, "constraint outside the direct subset; using llguidance's front end");
+                return None;
+            }
+        };
+        let parser = self.factory.create_parser_from_init_default(GrammarInit::Internal(grammar, lexer));
+        // A failure here gets llguidance's own (authoritative) error from the slow path.
+        parser.ok().map(|p| Matcher::new(Ok(p)))
+    }
+
+    fn compile_llguidance(&self, c: &Constraint) -> Result<Matcher, GrammarError> {
+        let m = Matcher::new(self.factory.create_parser(c.grammar()?));
+        match m.get_error() {
+            Some(err) => Err(GrammarError::Invalid(err)),
+            None => Ok(m),
+        }
+    }
+
+    /// A matcher compiled by llguidance's own front end (no direct path, no cache): the
+    /// reference the direct path is tested and benchmarked against.
+    pub fn matcher_via_llguidance(&self, c: &Constraint) -> Result<ConstraintMatcher, GrammarError> {
+        self.compile_llguidance(c).map(ConstraintMatcher)
+    }
+
+    /// Whether `c` takes the direct path (no llguidance front end).
+    pub fn compiles_directly(&self, c: &Constraint) -> bool {
+        self.compile_direct(c).is_some()
     }
 
     /// None if `c` compiles for this tokenizer, else why not.

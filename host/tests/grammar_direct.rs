@@ -1,0 +1,199 @@
+//! The direct grammar path (our Lark subset and JSON-schema rules built straight into
+//! llguidance's internal form) against llguidance's own front ends and an independent JSON
+//! Schema validator, on the real Kimi vocabulary.
+
+mod common;
+
+use std::sync::Arc;
+
+use kimi_host::grammar::{Constraint, ConstraintMatcher, GrammarEngine};
+use kimi_host::tokenizer::Tokenizer;
+use kimi_xtml::grammar::{ThinkChannel, ToolChoice, output_grammar};
+use serde_json::{Value, json};
+
+fn engine() -> (Arc<Tokenizer>, GrammarEngine, u32) {
+    let tok = Arc::new(Tokenizer::load(&common::golden_dir().join("../tokenizer/kimi")).expect("tokenizer"));
+    let eos = tok.special_id("<|end_of_msg|>").expect("eos");
+    let g = GrammarEngine::new(tok.clone(), 163_840, eos).expect("engine");
+    (tok, g, eos)
+}
+
+fn allowed(m: &mut ConstraintMatcher) -> Vec<u32> {
+    let mask = m.mask().expect("mask");
+    let mut v = Vec::new();
+    mask.iter_set_entries(|i| v.push(i as u32));
+    v
+}
+
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// The K3 output grammars the grammar plugin writes for the bench / constrained-test schemas.
+fn k3_grammars() -> Vec<(String, bool)> {
+    let mut out = Vec::new();
+    for (k, schema) in kimi_host::bench_plugins::tool_schemas().into_iter().enumerate() {
+        let name = format!("tool_{k}");
+        let tools = json!([{"type": "function", "function": {"name": name, "parameters": schema}}]);
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}});
+        let cases = [
+            (ToolChoice::Required, None, ThinkChannel::Off),
+            (ToolChoice::Named(name.clone()), None, ThinkChannel::Open),
+            (ToolChoice::Auto, Some(&rf), ThinkChannel::Off),
+            (ToolChoice::None, None, ThinkChannel::Budget(5)),
+        ];
+        for (choice, rf, think) in cases {
+            let g = output_grammar(Some(&tools), &choice, rf, think).expect("grammar").expect("a constraint");
+            // A JSON response may add properties; there the direct path writes fewer key
+            // spellings (no general \u escapes), so its masks are a subset, not equal.
+            out.push((g, rf.is_some()));
+        }
+    }
+    out
+}
+
+#[test]
+fn k3_output_grammars_compile_directly_with_llguidance_masks() {
+    let (_tok, g, eos) = engine();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for (text, response_json) in k3_grammars() {
+        let c = Constraint::Lark(text.clone());
+        assert!(g.compiles_directly(&c), "fell back to llguidance's front end:\n{text}");
+        for _walk in 0..3 {
+            let mut direct = g.matcher(&c).expect("direct");
+            let mut reference = g.matcher_via_llguidance(&c).expect("llguidance");
+            for step in 0..120 {
+                let a = allowed(&mut direct);
+                let b = allowed(&mut reference);
+                if response_json {
+                    assert!(a.iter().all(|t| b.binary_search(t).is_ok()), "step {step}: direct allows more\n{text}");
+                } else {
+                    assert_eq!(a, b, "step {step}: masks differ\n{text}");
+                }
+                if a.is_empty() || a.contains(&eos) {
+                    break;
+                }
+                let t = a[(next(&mut x) % a.len() as u64) as usize];
+                direct.consume(t).expect("consume direct");
+                reference.consume(t).expect("consume llguidance");
+            }
+        }
+    }
+}
+
+/// Schemas for the JSON rules: each compiles directly, and every walk under its masks ends in
+/// JSON that the `jsonschema` crate accepts. (Numbers are bounded on both sides here: a random
+/// walk under a half-open range writes integers too long for serde_json's f64; the rules' unit
+/// tests cover half-open ranges.)
+fn json_cases() -> Vec<Value> {
+    vec![
+        json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": -40, "maximum": 1234},
+               "b": {"type": "number", "minimum": -3, "maximum": 2}, "c": {"type": "number", "minimum": -99999, "maximum": -7}},
+               "required": ["a", "b", "c"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"x": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 9},
+               "y": {"type": ["string", "null"], "maxLength": 3}, "z": {"const": {"k": [1, "two"]}}},
+               "required": ["x", "z"], "additionalProperties": false}),
+        json!({"type": "array", "items": {"anyOf": [{"type": "boolean"}, {"enum": ["q\"uote", 7, null]}]},
+               "minItems": 2, "maxItems": 4}),
+        json!({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 2}, "maxItems": 3},
+               "opt1": {"type": "boolean"}, "opt2": {"type": "null"}},
+               "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}),
+        json!({"type": "object", "properties": {"n": {"type": "object", "properties": {"m": {"type": "integer", "maximum": 0}},
+               "required": ["m"], "additionalProperties": false}}, "required": ["n"], "additionalProperties": false,
+               "description": "nested"}),
+        json!({"type": "object", "properties": {}, "additionalProperties": false}),
+        json!({"type": "string", "minLength": 2, "maxLength": 5}),
+    ]
+}
+
+/// No whitespace outside string literals.
+fn compact(json: &str) -> bool {
+    let (mut in_string, mut escaped) = (false, false);
+    for c in json.chars() {
+        match (in_string, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (_, false, '"') => in_string = !in_string,
+            (false, _, c) if c.is_whitespace() => return false,
+            _ => {}
+        }
+    }
+    true
+}
+
+#[test]
+fn json_rules_walks_validate_against_the_schema() {
+    let (tok, g, eos) = engine();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for schema in json_cases() {
+        let mut s = schema.clone();
+        s["x-guidance"] = json!({"whitespace_flexible": false});
+        let c = Constraint::Lark(format!("start: value\nvalue: %json {s}"));
+        assert!(g.compiles_directly(&c), "fell back: {schema}");
+        let validator = jsonschema::validator_for(&schema).expect("schema");
+        for _walk in 0..12 {
+            let mut m = g.matcher(&c).expect("compiles");
+            let mut out = Vec::new();
+            for _ in 0..3000 {
+                let a = allowed(&mut m);
+                assert!(!a.is_empty(), "dead end after {:?}", tok.decode(&out));
+                if a.contains(&eos) {
+                    break;
+                }
+                // Unbounded digit runs and keys would outlast any step budget under a uniform
+                // pick, so a third of the picks take a token with JSON punctuation when one is allowed.
+                let structural: Vec<u32> = if next(&mut x).is_multiple_of(3) {
+                    let punct = |s: String| s.contains(['"', ',', ':', '}', ']']);
+                    a.iter().copied().filter(|&t| tok.decode(&[t]).is_ok_and(punct)).collect()
+                } else {
+                    Vec::new()
+                };
+                let pool = if structural.is_empty() { &a } else { &structural };
+                let t = pool[(next(&mut x) % pool.len() as u64) as usize];
+                m.consume(t).expect("consume");
+                out.push(t);
+            }
+            let text = tok.decode(&out).expect("decode");
+            assert!(m.is_accepting(), "walk did not finish: {text:?}");
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?} for {schema}: {e}"));
+            assert!(validator.is_valid(&v), "{text} does not validate against {schema}");
+            assert!(compact(&text), "whitespace between JSON tokens: {text:?}");
+        }
+    }
+}
+
+#[test]
+fn constraints_outside_the_subset_still_compile_through_llguidance() {
+    let (_tok, g, _eos) = engine();
+    let cases = [
+        "start: \"a\"+ \"b\"",
+        "start: x\nx: %json {\"type\": \"string\", \"pattern\": \"^[a-c]+$\"}",
+        "start: x\nx: %json {\"$defs\": {\"n\": {\"type\": \"integer\"}}, \"$ref\": \"#/$defs/n\"}",
+        "start: x\nx: %json {\"type\": \"number\", \"minimum\": 0.5}",
+        "start: \"A\"i",
+        "start: x  // comment\nx: \"y\"",
+    ];
+    for text in cases {
+        let c = Constraint::Lark(text.into());
+        assert!(!g.compiles_directly(&c), "{text} took the direct path");
+        g.matcher(&c).unwrap_or_else(|e| panic!("{text}: {e}"));
+    }
+    // Deep nesting (a plugin's grammar) is refused by the direct path rather than recursed
+    // into; llguidance's front end then answers for it. So is text it cannot read.
+    let chain: String = (0..500).map(|i| format!("r{i}: r{}\n", i + 1)).collect();
+    let deep_rules = format!("start: r0\n{chain}r500: \"x\"");
+    let deep_groups = format!("start: {}\"x\"{}", "(".repeat(500), ")".repeat(500));
+    let non_ascii = format!("start: {}", "中".repeat(12));
+    for text in [deep_rules, deep_groups, non_ascii] {
+        let c = Constraint::Lark(text);
+        assert!(!g.compiles_directly(&c));
+        let _ = g.matcher(&c);
+    }
+    // Errors come from llguidance's front end, named as before.
+    let bad = Constraint::Lark("start: nowhere".into());
+    assert!(!g.compiles_directly(&bad));
+    assert!(g.matcher(&bad).is_err());
+}
