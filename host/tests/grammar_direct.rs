@@ -197,3 +197,31 @@ fn constraints_outside_the_subset_still_compile_through_llguidance() {
     assert!(!g.compiles_directly(&bad));
     assert!(g.matcher(&bad).is_err());
 }
+
+#[test]
+fn json_schema_constraints_compile_directly_within_llguidance_masks() {
+    let (_tok, g, eos) = engine();
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let schemas = kimi_host::bench_plugins::tool_schemas().into_iter().chain(json_cases());
+    for schema in schemas {
+        let c = Constraint::JsonSchema(schema.to_string());
+        assert!(g.compiles_directly(&c), "fell back: {schema}");
+        for _walk in 0..3 {
+            let mut direct = g.matcher(&c).expect("direct");
+            let mut reference = g.matcher_via_llguidance(&c).expect("llguidance");
+            for step in 0..80 {
+                let a = allowed(&mut direct);
+                let b = allowed(&mut reference);
+                // Subsets, not equal: additional-property keys have fewer spellings here.
+                assert!(!a.is_empty() || b.is_empty(), "step {step}: dead end for {schema}");
+                assert!(a.iter().all(|t| b.binary_search(t).is_ok()), "step {step}: direct allows more for {schema}");
+                if a.is_empty() || a.contains(&eos) {
+                    break;
+                }
+                let t = a[(next(&mut x) % a.len() as u64) as usize];
+                direct.consume(t).expect("consume direct");
+                reference.consume(t).expect("consume llguidance");
+            }
+        }
+    }
+}

@@ -9,7 +9,9 @@
 //! no `-0`), never supersets: every accepted text validates.
 
 use llguidance::derivre::RegexAst;
-use llguidance::earley::SymIdx;
+use llguidance::earley::lexerspec::LexerSpec;
+use llguidance::earley::{Grammar, SymIdx};
+use llguidance::toktrie::TokTrie;
 use serde_json::{Map, Value};
 
 use super::rules::{Built, RuleBuilder, json_quoted, unsupported};
@@ -55,6 +57,15 @@ const MAX_OPTIONAL_ITEMS: u64 = 64;
 
 const UNBOUNDED_INTEGER: &str = "-?(0|[1-9][0-9]*)";
 const UNBOUNDED_NUMBER: &str = "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?";
+
+/// A whole constraint that is one JSON value under `schema`, in llguidance's internal form.
+pub fn compile_schema(schema: &Value, trie: &TokTrie) -> Built<(Grammar, LexerSpec)> {
+    let mut b = RuleBuilder::new(trie)?;
+    let value = JsonRules::default().compile(&mut b, schema)?;
+    let start = b.start();
+    b.rule(start, vec![value])?;
+    b.finish()
+}
 
 /// Symbols shared by every schema of one grammar.
 #[derive(Default)]

@@ -3,8 +3,8 @@
 //! constraint (cached by hash) and computes token masks natively.
 //!
 //! Lark constraints in the subset our own grammars use (`lark_subset`, with `json_rules` for
-//! their `%json` values) are built straight into llguidance's internal form; everything else
-//! goes through llguidance's own front ends.
+//! their `%json` values) and JSON schemas in `json_rules`' subset are built straight into
+//! llguidance's internal form; everything else goes through llguidance's own front ends.
 
 mod json_rules;
 mod lark_subset;
@@ -52,16 +52,7 @@ impl Constraint {
 
     fn grammar(&self) -> Result<TopLevelGrammar, GrammarError> {
         Ok(match self {
-            Constraint::JsonSchema(s) => {
-                let mut v: serde_json::Value = serde_json::from_str(s)
-                    .map_err(|e| GrammarError::Invalid(format!("JSON schema is not JSON: {e}")))?;
-                // Compact JSON (no newlines or tabs, as the Kimi vendor verifier requires for strict
-                // output) unless the schema asks otherwise through llguidance's `x-guidance` key.
-                if let Some(o) = v.as_object_mut() {
-                    o.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
-                }
-                TopLevelGrammar::from_json_schema(v)
-            }
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(json_schema(s)?),
             Constraint::Lark(s) => TopLevelGrammar::from_lark(s.clone()),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Choice(options) => {
@@ -73,6 +64,18 @@ impl Constraint {
             }
         })
     }
+}
+
+/// A JSON-schema constraint's schema, asking for compact JSON (no newlines or tabs, as the Kimi
+/// vendor verifier requires for strict output) unless it says otherwise through llguidance's
+/// `x-guidance` key.
+fn json_schema(text: &str) -> Result<serde_json::Value, GrammarError> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("JSON schema is not JSON: {e}")))?;
+    if let Some(o) = v.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    Ok(v)
 }
 
 /// Our tokenizer as llguidance's `TokenizerEnv`: the trie holds every id's bytes (specials as
@@ -161,8 +164,13 @@ impl GrammarEngine {
 
     /// `c` built without llguidance's front ends, when it is in the subset that allows it.
     fn compile_direct(&self, c: &Constraint) -> Option<Matcher> {
-        let Constraint::Lark(text) = c else { return None };
-        let (grammar, lexer) = match lark_subset::compile(text, self.factory.tok_env().tok_trie()) {
+        let trie = self.factory.tok_env().tok_trie();
+        let built = match c {
+            Constraint::Lark(text) => lark_subset::compile(text, trie),
+            Constraint::JsonSchema(text) => json_schema(text).ok().map(|v| json_rules::compile_schema(&v, trie))?,
+            Constraint::Regex(_) | Constraint::Choice(_) => return None,
+        };
+        let (grammar, lexer) = match built {
             Ok(built) => built,
             Err(why) => {
                 tracing::debug!(reason = %why.0, "constraint outside the direct subset; using llguidance's front end");
