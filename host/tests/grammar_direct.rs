@@ -55,32 +55,49 @@ fn k3_grammars() -> Vec<(String, bool)> {
     out
 }
 
+/// How the direct path's masks must relate to llguidance's own.
+#[derive(Clone, Copy)]
+enum Masks {
+    Equal,
+    /// Within llguidance's, never empty where llguidance's is not (additional-property keys
+    /// have fewer spellings on the direct path).
+    Within,
+}
+
+/// Three pseudo-random walks of up to `steps` tokens under the direct matcher, comparing every
+/// mask with llguidance's compile of the same constraint.
+fn compare_walks(g: &GrammarEngine, c: &Constraint, eos: u32, steps: usize, masks: Masks, x: &mut u64) {
+    assert!(g.compiles_directly(c), "fell back to llguidance's front end: {c:?}");
+    for _walk in 0..3 {
+        let mut direct = g.matcher(c).expect("direct");
+        let mut reference = g.matcher_via_llguidance(c).expect("llguidance");
+        for step in 0..steps {
+            let a = allowed(&mut direct);
+            let b = allowed(&mut reference);
+            match masks {
+                Masks::Equal => assert_eq!(a, b, "step {step}: masks differ for {c:?}"),
+                Masks::Within => {
+                    assert!(!a.is_empty() || b.is_empty(), "step {step}: dead end for {c:?}");
+                    assert!(a.iter().all(|t| b.binary_search(t).is_ok()), "step {step}: direct allows more for {c:?}");
+                }
+            }
+            if a.is_empty() || a.contains(&eos) {
+                break;
+            }
+            let t = a[(next(x) % a.len() as u64) as usize];
+            direct.consume(t).expect("consume direct");
+            reference.consume(t).expect("consume llguidance");
+        }
+    }
+}
+
 #[test]
 fn k3_output_grammars_compile_directly_with_llguidance_masks() {
     let (_tok, g, eos) = engine();
     let mut x = 0x2545_f491_4f6c_dd1du64;
     for (text, response_json) in k3_grammars() {
-        let c = Constraint::Lark(text.clone());
-        assert!(g.compiles_directly(&c), "fell back to llguidance's front end:\n{text}");
-        for _walk in 0..3 {
-            let mut direct = g.matcher(&c).expect("direct");
-            let mut reference = g.matcher_via_llguidance(&c).expect("llguidance");
-            for step in 0..120 {
-                let a = allowed(&mut direct);
-                let b = allowed(&mut reference);
-                if response_json {
-                    assert!(a.iter().all(|t| b.binary_search(t).is_ok()), "step {step}: direct allows more\n{text}");
-                } else {
-                    assert_eq!(a, b, "step {step}: masks differ\n{text}");
-                }
-                if a.is_empty() || a.contains(&eos) {
-                    break;
-                }
-                let t = a[(next(&mut x) % a.len() as u64) as usize];
-                direct.consume(t).expect("consume direct");
-                reference.consume(t).expect("consume llguidance");
-            }
-        }
+        let masks = if response_json { Masks::Within } else { Masks::Equal };
+        compare_walks(&g, &Constraint::Lark(text), eos, 120, masks, &mut x);
     }
 }
 
@@ -202,26 +219,7 @@ fn constraints_outside_the_subset_still_compile_through_llguidance() {
 fn json_schema_constraints_compile_directly_within_llguidance_masks() {
     let (_tok, g, eos) = engine();
     let mut x = 0x1234_5678_9abc_def1u64;
-    let schemas = kimi_host::bench_plugins::tool_schemas().into_iter().chain(json_cases());
-    for schema in schemas {
-        let c = Constraint::JsonSchema(schema.to_string());
-        assert!(g.compiles_directly(&c), "fell back: {schema}");
-        for _walk in 0..3 {
-            let mut direct = g.matcher(&c).expect("direct");
-            let mut reference = g.matcher_via_llguidance(&c).expect("llguidance");
-            for step in 0..80 {
-                let a = allowed(&mut direct);
-                let b = allowed(&mut reference);
-                // Subsets, not equal: additional-property keys have fewer spellings here.
-                assert!(!a.is_empty() || b.is_empty(), "step {step}: dead end for {schema}");
-                assert!(a.iter().all(|t| b.binary_search(t).is_ok()), "step {step}: direct allows more for {schema}");
-                if a.is_empty() || a.contains(&eos) {
-                    break;
-                }
-                let t = a[(next(&mut x) % a.len() as u64) as usize];
-                direct.consume(t).expect("consume direct");
-                reference.consume(t).expect("consume llguidance");
-            }
-        }
+    for schema in kimi_host::bench_plugins::tool_schemas().into_iter().chain(json_cases()) {
+        compare_walks(&g, &Constraint::JsonSchema(schema.to_string()), eos, 80, Masks::Within, &mut x);
     }
 }
