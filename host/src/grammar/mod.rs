@@ -191,7 +191,7 @@ impl GrammarEngine {
     }
 
     /// A matcher compiled by llguidance's own front end (no direct path, no cache): the
-    /// reference the direct path is tested and benchmarked against.
+    /// reference the direct path is tested against.
     pub fn matcher_via_llguidance(&self, c: &Constraint) -> Result<ConstraintMatcher, GrammarError> {
         self.compile_llguidance(c).map(ConstraintMatcher)
     }
