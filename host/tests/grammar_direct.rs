@@ -223,3 +223,63 @@ fn json_schema_constraints_compile_directly_within_llguidance_masks() {
         compare_walks(&g, &Constraint::JsonSchema(schema.to_string()), eos, 80, Masks::Within, &mut x);
     }
 }
+
+/// Inside JSON strings the direct path computes the plain-text part of a mask from character
+/// counts instead of walking the trie (`JsonTextBias`). These walks steer into the states where
+/// that is easiest to get wrong: after `\`, inside `\u`, mid-UTF-8, a full string, the quote
+/// itself. Every mask must equal llguidance's own.
+#[test]
+fn masks_inside_json_strings_equal_llguidance() {
+    let (tok, g, eos) = engine();
+    let plain = |t: u32| {
+        tok.token_bytes(t)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .is_some_and(|s| !s.is_empty() && !s.chars().any(|c| matches!(c, '"' | '\\' | '\0'..='\x1f' | '\x7f')))
+    };
+    let schemas = [
+        json!({"type": "object", "properties": {"a": {"type": "string", "maxLength": 1}, "b": {"type": "string", "maxLength": 2},
+               "c": {"type": "string", "maxLength": 5}, "d": {"type": "string", "minLength": 3, "maxLength": 9}},
+               "required": ["a", "b", "c", "d"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"long": {"type": "string", "maxLength": 40}, "free": {"type": "string"},
+               "least": {"type": "string", "minLength": 4}}, "required": ["long", "free", "least"], "additionalProperties": false}),
+        json!({"type": "array", "items": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 6, "maxLength": 7},
+               {"type": "null"}]}, "maxItems": 4}),
+        json!({"type": "array", "items": {"type": ["string", "integer"], "maxLength": 4, "minimum": 0, "maximum": 99}, "maxItems": 3}),
+    ];
+    let mut x = 0x0bad_cafe_f00d_d00du64;
+    for schema in schemas {
+        let c = Constraint::JsonSchema(schema.to_string());
+        assert!(g.compiles_directly(&c), "fell back: {schema}");
+        for walk in 0..12 {
+            let mut direct = g.matcher(&c).expect("direct");
+            let mut reference = g.matcher_via_llguidance(&c).expect("llguidance");
+            let mut out = Vec::new();
+            for step in 0..400 {
+                let a = allowed(&mut direct);
+                let b = allowed(&mut reference);
+                assert_eq!(
+                    a,
+                    b,
+                    "walk {walk} step {step} after {:?}: masks differ for {schema}",
+                    String::from_utf8_lossy(&tok.decode_bytes(&out).unwrap_or_default())
+                );
+                if a.is_empty() || a.contains(&eos) {
+                    break;
+                }
+                // Mostly short or non-plain tokens (escapes, quotes, partial UTF-8), so strings
+                // pass through every state before they fill up.
+                let pick = next(&mut x) % 4;
+                let pool: Vec<u32> = match pick {
+                    0 => a.clone(),
+                    1 => a.iter().copied().filter(|&t| !plain(t)).collect(),
+                    _ => a.iter().copied().filter(|&t| tok.token_bytes(t).is_some_and(|b| b.len() <= 2)).collect(),
+                };
+                let pool = if pool.is_empty() { &a } else { &pool };
+                let t = pool[(next(&mut x) % pool.len() as u64) as usize];
+                direct.consume(t).expect("consume direct");
+                reference.consume(t).expect("consume llguidance");
+                out.push(t);
+            }
+        }
+    }
+}

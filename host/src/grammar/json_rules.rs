@@ -9,12 +9,11 @@
 //! no `-0`), never supersets: every accepted text validates.
 
 use llguidance::derivre::RegexAst;
-use llguidance::earley::lexerspec::LexerSpec;
-use llguidance::earley::{Grammar, SymIdx};
+use llguidance::earley::SymIdx;
 use llguidance::toktrie::TokTrie;
 use serde_json::{Map, Value};
 
-use super::rules::{Built, RuleBuilder, json_quoted, unsupported};
+use super::rules::{Built, BuiltGrammar, RuleBuilder, json_quoted, unsupported};
 
 /// Keywords this compiler understands (annotations included). Any other keyword sends the
 /// schema to llguidance.
@@ -59,7 +58,7 @@ const UNBOUNDED_INTEGER: &str = "-?(0|[1-9][0-9]*)";
 const UNBOUNDED_NUMBER: &str = "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?";
 
 /// A whole constraint that is one JSON value under `schema`, in llguidance's internal form.
-pub fn compile_schema(schema: &Value, trie: &TokTrie) -> Built<(Grammar, LexerSpec)> {
+pub fn compile_schema(schema: &Value, trie: &TokTrie) -> Built<BuiltGrammar> {
     let mut b = RuleBuilder::new(trie)?;
     let value = JsonRules::default().compile(&mut b, schema)?;
     let start = b.start();
@@ -162,12 +161,7 @@ impl JsonRules {
                 if max.is_some_and(|m| m < min || m > MAX_LENGTH) || min > MAX_LENGTH {
                     return unsupported("string length bounds");
                 }
-                let rx = match max {
-                    Some(max) => format!("(?s:.{{{min},{max}}})"),
-                    None if min == 0 => "(?s:.*)".to_string(),
-                    None => format!("(?s:.{{{min},}})"),
-                };
-                b.json_string(RegexAst::Regex(rx))
+                b.json_string(min, max)
             }
             "array" => self.array(b, o, depth),
             "object" => self.object(b, o, depth),
@@ -299,7 +293,7 @@ impl JsonRules {
         }
         let any = b.symbol("any_json");
         self.any = Some(any);
-        let string = b.json_string(RegexAst::Regex("(?s:.*)".into()))?;
+        let string = b.json_string(0, None)?;
         let number = b.lexeme(RegexAst::Regex(UNBOUNDED_NUMBER.into()), None)?;
         let literal = b.lexeme(RegexAst::Regex("true|false|null".into()), None)?;
         let (open_o, close_o) = (b.literal("{")?, b.literal("}")?);

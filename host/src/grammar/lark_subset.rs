@@ -8,12 +8,11 @@
 use std::collections::HashMap;
 
 use llguidance::derivre::RegexAst;
-use llguidance::earley::lexerspec::LexerSpec;
-use llguidance::earley::{Grammar, SymIdx};
+use llguidance::earley::SymIdx;
 use llguidance::toktrie::TokTrie;
 
 use super::json_rules::JsonRules;
-use super::rules::{Built, RuleBuilder, Unsupported, unsupported};
+use super::rules::{Built, BuiltGrammar, RuleBuilder, Unsupported, unsupported};
 
 /// Longest grammar text this path takes (larger ones are not what it is for).
 const MAX_TEXT: usize = 256 * 1024;
@@ -50,7 +49,7 @@ struct RuleDef {
 }
 
 /// Builds `text` into llguidance's internal grammar form, or says why this path does not apply.
-pub fn compile(text: &str, trie: &TokTrie) -> Built<(Grammar, LexerSpec)> {
+pub fn compile(text: &str, trie: &TokTrie) -> Built<BuiltGrammar> {
     if text.len() > MAX_TEXT {
         return unsupported("grammar text too long");
     }

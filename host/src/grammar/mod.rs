@@ -9,6 +9,7 @@
 mod json_rules;
 mod lark_subset;
 mod rules;
+mod text_bias;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -100,10 +101,8 @@ pub struct GrammarEngine {
     factory: ParserFactory,
     cache: Mutex<HashMap<String, Matcher>>,
     vocab_size: usize,
+    plain: Arc<text_bias::PlainTokens>,
 }
-
-/// Extra string-content slices (characters), beside llguidance's 10 / 30 / unbounded ones.
-const BOUNDED_STRING_SLICES: [usize; 5] = [2, 3, 4, 6, 8];
 
 /// Distinct constraints kept compiled.
 const CACHE_ENTRIES: usize = 1024;
@@ -127,17 +126,14 @@ impl GrammarEngine {
         let info = TokRxInfo::new(vocab_size as u32, eos);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(KimiTokEnv { trie, tok });
-        // llguidance's slices let a mask inside a JSON string skip walking the trie for tokens it
-        // knows are allowed; the stock ones stop at 10 characters, so inside a string with fewer
-        // than 10 characters left before its `maxLength` every mask walked the whole 163,840-token
-        // trie (~1.4 ms). Shorter slices cut those masks to a fraction (bench plugins: mean 208 →
-        // ~150 µs, p99 1.5 → ~1.0 ms on bounded-string schemas) for ~5% more compile time.
-        let mut slices = llguidance::earley::SlicedBiasComputer::general_slices();
-        slices.extend(BOUNDED_STRING_SLICES.iter().map(|n| format!(r#"[^"\\\x00-\x1F\x7F]{{1,{n}}}"#)));
+        // Masks inside our own JSON strings come from `text_bias` (no trie walk for plain text);
+        // llguidance's stock slices serve the rest.
+        let slices = llguidance::earley::SlicedBiasComputer::general_slices();
         let mut factory = ParserFactory::new(&env, Default::default(), &slices)
             .map_err(|e| GrammarError::Engine(format!("{e:#}")))?;
         factory.quiet();
-        Ok(GrammarEngine { factory, cache: Mutex::new(HashMap::new()), vocab_size })
+        let plain = Arc::new(text_bias::PlainTokens::new(env.tok_trie()));
+        Ok(GrammarEngine { factory, cache: Mutex::new(HashMap::new()), vocab_size, plain })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -170,16 +166,22 @@ impl GrammarEngine {
             Constraint::JsonSchema(text) => json_schema(text).ok().map(|v| json_rules::compile_schema(&v, trie))?,
             Constraint::Regex(_) | Constraint::Choice(_) => return None,
         };
-        let (grammar, lexer) = match built {
+        let built = match built {
             Ok(built) => built,
             Err(why) => {
                 tracing::debug!(reason = %why.0, "constraint outside the direct subset; using llguidance's front end");
                 return None;
             }
         };
-        let parser = self.factory.create_parser_from_init_default(GrammarInit::Internal(grammar, lexer));
-        // A failure here gets llguidance's own (authoritative) error from the slow path.
-        parser.ok().map(|p| Matcher::new(Ok(p)))
+        let texts = built.json_texts;
+        let mut parser =
+            self.factory.create_parser_from_init_default(GrammarInit::Internal(built.grammar, built.lexer)).ok()?;
+        // (A failure above gets llguidance's own, authoritative, error from the slow path.)
+        if !texts.is_empty() {
+            parser.bias_computer =
+                Arc::new(text_bias::JsonTextBias::new(self.factory.slicer(), self.plain.clone(), &texts));
+        }
+        Some(Matcher::new(Ok(parser)))
     }
 
     fn compile_llguidance(&self, c: &Constraint) -> Result<Matcher, GrammarError> {

@@ -33,6 +33,14 @@ pub struct RuleBuilder<'a> {
     specials: HashMap<String, SymIdx>,
     empty: Option<SymIdx>,
     limits: ParserLimits,
+    json_texts: Vec<LexemeIdx>,
+}
+
+/// A grammar in llguidance's internal form, and which of its lexemes are `json_string`s.
+pub struct BuiltGrammar {
+    pub grammar: Grammar,
+    pub lexer: LexerSpec,
+    pub json_texts: Vec<LexemeIdx>,
 }
 
 impl<'a> RuleBuilder<'a> {
@@ -49,6 +57,7 @@ impl<'a> RuleBuilder<'a> {
             specials: HashMap::new(),
             empty: None,
             limits: ParserLimits::default(),
+            json_texts: Vec::new(),
         };
         let start = b
             .grammar
@@ -115,9 +124,23 @@ impl<'a> RuleBuilder<'a> {
         Ok(())
     }
 
-    /// A JSON string (quotes included) whose decoded content matches `content`.
-    pub fn json_string(&mut self, content: RegexAst) -> Built<SymIdx> {
-        self.lexeme(json_quoted(content), None)
+    /// A JSON string (quotes included) of `min..=max` characters of any kind (escaped where JSON
+    /// needs it). These lexemes are recorded for `JsonTextBias`, which relies on their content
+    /// being unrestricted apart from its length.
+    pub fn json_string(&mut self, min: u64, max: Option<u64>) -> Built<SymIdx> {
+        let content = match max {
+            Some(max) => format!("(?s:.{{{min},{max}}})"),
+            None if min == 0 => "(?s:.*)".to_string(),
+            None => format!("(?s:.{{{min},}})"),
+        };
+        let sym = self.symbol("json_string");
+        let lx = self
+            .spec
+            .add_greedy_lexeme(String::new(), json_quoted(RegexAst::Regex(content)), false, None, usize::MAX)
+            .map_err(|e| Unsupported(format!("regex: {e}")))?;
+        self.terminal(sym, lx)?;
+        self.json_texts.push(lx);
+        Ok(sym)
     }
 
     /// The special token `<|name|>` (a token, never text).
@@ -173,14 +196,14 @@ impl<'a> RuleBuilder<'a> {
     }
 
     /// The finished grammar, within llguidance's default size limits.
-    pub fn finish(self) -> Built<(Grammar, LexerSpec)> {
+    pub fn finish(self) -> Built<BuiltGrammar> {
         if self.spec.cost() > self.limits.initial_lexer_fuel {
             return unsupported("lexer too big");
         }
         if self.grammar.num_symbols() > self.limits.max_grammar_size {
             return unsupported("grammar too big");
         }
-        Ok((self.grammar, self.spec))
+        Ok(BuiltGrammar { grammar: self.grammar, lexer: self.spec, json_texts: self.json_texts })
     }
 }
 
