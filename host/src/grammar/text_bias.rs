@@ -9,9 +9,11 @@
 //! `JsonTextBias` handles one case exactly: the lexer is inside a `json_string` lexeme of ours
 //! (content `.{min,max}`: any characters, only the count bounded), at a character boundary. There,
 //! a *plain* token (valid UTF-8 with no `"`, `\`, control character or DEL) is allowed iff it has
-//! at most `r` characters, so the plain part of the mask is one precomputed set, and only the few
-//! thousand other tokens (quotes, escapes, partial UTF-8, specials) are walked. `r` is found by
-//! pushing a probe character through the lexer. Every other state goes to llguidance's slicer.
+//! at most `r` characters, so the plain part of the mask is one precomputed set. A token of plain
+//! text then `"` (`abc",`) is allowed iff the string may close after that many characters and its
+//! tail may follow the close; the tails are tried once per mask, not once per token. Only the
+//! remaining tokens (escapes, partial UTF-8, specials) are walked. `r` is found by pushing a probe
+//! character through the lexer. Every other state goes to llguidance's slicer.
 //!
 //! Why this is exact. When every lexeme the lexer state may still be in is one of these strings:
 //! - the state cannot end a lexeme before a closing quote, so pushing a quote-free token only
@@ -39,7 +41,10 @@ enum Kind {
     /// Plain text (possibly none) then a raw control character: never allowed, as the string
     /// cannot end before it and JSON strings hold no raw control characters.
     Never,
-    /// Anything else (quotes, escapes, partial UTF-8, specials, DEL): walked.
+    /// Plain text of this many characters, then `"` at byte `at`: allowed iff the string may
+    /// close after that many characters and the rest of the token may follow a close.
+    Quoted { chars: usize, at: usize },
+    /// Anything else (escapes, partial UTF-8, specials, DEL): walked.
     Other,
 }
 
@@ -51,6 +56,10 @@ impl Kind {
         match text.chars().find(|c| matches!(c, '"' | '\\' | '\0'..='\x1f' | '\x7f')) {
             None => Kind::Plain(text.chars().count()),
             Some('\0'..='\x1f') => Kind::Never,
+            Some('"') => {
+                let at = text.find('"').unwrap_or(0);
+                Kind::Quoted { chars: text[..at].chars().count(), at }
+            }
             Some(_) => Kind::Other,
         }
     }
@@ -60,24 +69,57 @@ impl Kind {
 pub struct PlainTokens {
     /// `up_to[n]`: the plain tokens of at most `n` characters (`n` up to the longest one).
     up_to: Vec<SimpleVob>,
-    /// A trie of the `Kind::Other` tokens, walked as usual.
+    /// A trie of the `Kind::Other` and `Kind::Quoted` tokens, walked as usual.
     rest: TokTrie,
+    /// A trie of the `Kind::Other` tokens alone.
+    other: TokTrie,
+    /// The `Kind::Quoted` tokens' tails from the quote on, sorted and distinct.
+    closers: Vec<Vec<u8>>,
+    /// Each `Kind::Quoted` token, its characters before the quote and its tail in `closers`.
+    quoted: Vec<(u32, usize, usize)>,
 }
 
 impl PlainTokens {
     pub fn new(trie: &TokTrie) -> PlainTokens {
         let kinds: Vec<Kind> = (0..trie.vocab_size() as u32).map(|id| Kind::of(trie.token(id))).collect();
-        let longest =
-            kinds.iter().filter_map(|k| if let Kind::Plain(n) = k { Some(*n) } else { None }).max().unwrap_or(0);
+        let longest = kinds
+            .iter()
+            .filter_map(|k| match k {
+                Kind::Plain(n) | Kind::Quoted { chars: n, .. } => Some(*n),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
         let mut by_len: Vec<Vec<u32>> = vec![Vec::new(); longest + 1];
-        let mut rest = trie.alloc_token_set();
+        let (mut rest, mut other) = (trie.alloc_token_set(), trie.alloc_token_set());
+        let mut closers = Vec::new();
         for (id, kind) in kinds.iter().enumerate() {
             match kind {
                 Kind::Plain(n) => by_len[*n].push(id as u32),
-                Kind::Other => rest.allow_token(id as u32),
+                Kind::Quoted { at, .. } => {
+                    rest.allow_token(id as u32);
+                    closers.push(trie.token(id as u32)[*at..].to_vec());
+                }
+                Kind::Other => {
+                    rest.allow_token(id as u32);
+                    other.allow_token(id as u32);
+                }
                 Kind::Never => {}
             }
         }
+        closers.sort();
+        closers.dedup();
+        let quoted = kinds
+            .iter()
+            .enumerate()
+            .filter_map(|(id, k)| match k {
+                Kind::Quoted { chars, at } => {
+                    let tail = &trie.token(id as u32)[*at..];
+                    closers.binary_search_by(|c| c.as_slice().cmp(tail)).ok().map(|c| (id as u32, *chars, c))
+                }
+                _ => None,
+            })
+            .collect();
         let mut up_to = Vec::with_capacity(longest + 1);
         let mut set = trie.alloc_token_set();
         for ids in &by_len {
@@ -86,7 +128,7 @@ impl PlainTokens {
             }
             up_to.push(set.clone());
         }
-        PlainTokens { up_to, rest: trie.filter(&rest) }
+        PlainTokens { up_to, rest: trie.filter(&rest), other: trie.filter(&other), closers, quoted }
     }
 
     fn longest(&self) -> usize {
@@ -144,6 +186,76 @@ impl JsonTextBias {
         rec.trie_finished();
         (room > 0).then_some(room)
     }
+
+    /// Adds the `Kind::Quoted` tokens allowed when exactly one string lexeme is possible, with
+    /// `room` characters of room: the string may close after `k` more characters for `k` from the
+    /// first that allows it up to `room`, and what may follow the close does not depend on `k`
+    /// (the same lexeme ends, in the same parser row), so each tail is tried once, after the
+    /// probe written `k` times. Returns false (nothing added) when more than one lexeme is
+    /// possible.
+    fn add_quoted(&self, rec: &mut ParserRecognizer<'_>, room: usize, set: &mut SimpleVob) -> bool {
+        if rec.lexer().possible_lexemes(rec.lexer_state()).iter().nth(1).is_some() {
+            return false;
+        }
+        rec.trie_started("json text close");
+        let mut pushed = 0;
+        let mut need = None;
+        for k in 0..=room {
+            if k > 0 {
+                if !rec.try_push_byte(PROBE) {
+                    break;
+                }
+                pushed += 1;
+            }
+            if rec.try_push_byte(b'"') {
+                rec.pop_bytes(1);
+                need = Some(k);
+                break;
+            }
+        }
+        if let Some(need) = need {
+            let ok = self.walk_closers(rec);
+            for &(tok, chars, c) in &self.plain.quoted {
+                if chars >= need && chars <= room && ok[c] {
+                    set.allow_token(tok);
+                }
+            }
+        }
+        rec.pop_bytes(pushed);
+        rec.trie_finished();
+        true
+    }
+
+    /// Which `closers` the recognizer accepts from its current state (a walk of their sorted
+    /// list, sharing prefixes, skipping the extensions of a rejected prefix).
+    fn walk_closers(&self, rec: &mut ParserRecognizer<'_>) -> Vec<bool> {
+        let closers = &self.plain.closers;
+        let mut ok = vec![false; closers.len()];
+        let mut stack: Vec<u8> = Vec::new();
+        let mut dead: Option<Vec<u8>> = None;
+        for (i, w) in closers.iter().enumerate() {
+            if dead.as_ref().is_some_and(|d| w.starts_with(d)) {
+                continue;
+            }
+            let common = stack.iter().zip(w).take_while(|(a, b)| a == b).count();
+            rec.pop_bytes(stack.len() - common);
+            stack.truncate(common);
+            ok[i] = true;
+            for &b in &w[common..] {
+                if rec.try_push_byte(b) {
+                    stack.push(b);
+                } else {
+                    let mut d = stack.clone();
+                    d.push(b);
+                    dead = Some(d);
+                    ok[i] = false;
+                    break;
+                }
+            }
+        }
+        rec.pop_bytes(stack.len());
+        ok
+    }
 }
 
 impl BiasComputer for JsonTextBias {
@@ -152,7 +264,11 @@ impl BiasComputer for JsonTextBias {
             && let Some(room) = self.room(rec)
         {
             let mut set = self.plain.up_to[room].clone();
-            self.plain.rest.add_bias(rec, &mut set, &[]);
+            if self.add_quoted(rec, room, &mut set) {
+                self.plain.other.add_bias(rec, &mut set, &[]);
+            } else {
+                self.plain.rest.add_bias(rec, &mut set, &[]);
+            }
             return set;
         }
         self.slicer.compute_bias(rec, start)
