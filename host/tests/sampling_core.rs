@@ -120,3 +120,26 @@ fn penalties_biases_and_rollback_match_brute_force() {
         assert_eq!(g.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap() as usize, argmax, "{p:?}");
     }
 }
+
+#[test]
+fn sequences_sampled_in_turn_on_one_thread_do_not_share_adjustments() {
+    // The step's adjusted tokens are marked in a per-thread scratch set; a sequence sampled right
+    // after a penalised one must see none of the other's marks.
+    let logits: Vec<f32> = (0..400).map(|i| 6.0 - 2.0 * (((i * 7919) % 400) as f32 + 1.0).ln()).collect();
+    let top: Vec<u32> = top_k(&logits, 8).into_iter().map(|c| c.0).collect();
+    let plain = Params { temperature: 1.0, top_p: 0.9, ..Default::default() };
+    let pen = Params { frequency_penalty: 2.0, logit_bias: [(top[0], -100.0)].into_iter().collect(), ..plain.clone() };
+    let mut a = SeqState::new(pen.clone(), 5);
+    a.sample(&mut SliceLogits(&logits), vec![]).unwrap(); // ends the (empty) prompt
+    a.accept(&top[..4]);
+    let mut b = SeqState::new(plain.clone(), 6);
+    let n = 40_000;
+    let (mut counts_a, mut counts_b) = (vec![0u32; logits.len()], vec![0u32; logits.len()]);
+    for _ in 0..n {
+        counts_a[a.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap() as usize] += 1;
+        counts_b[b.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap() as usize] += 1;
+    }
+    let want_a = exact(&penalised(&logits, &pen, &[], &top[..4]), &pen);
+    common::assert_chi_square(&counts_a, &want_a, n, "penalised");
+    common::assert_chi_square(&counts_b, &exact(&logits, &plain), n, "plain after penalised");
+}

@@ -56,7 +56,7 @@ impl Guest for Typical {
             .map(|(i, row)| {
                 let seq: &Seq = row.seq.get();
                 let mut st = seq.0.borrow_mut();
-                if row.candidates.is_empty() {
+                if row.candidates.tokens.is_empty() {
                     return Err(PluginError::Internal("no candidates".into()));
                 }
                 if st.temperature <= 0.0 {
@@ -65,8 +65,9 @@ impl Guest for Typical {
                 let t = st.temperature;
                 // Exact log-normaliser over the whole row, computed by the host.
                 let log_z = logits.log_sum_exp(i as u32, t) as f64;
+                let c = &row.candidates;
                 let probs: Vec<(u32, f64)> =
-                    row.candidates.iter().map(|c| (c.token, ((c.logit / t) as f64 - log_z).exp())).collect();
+                    c.tokens.iter().zip(&c.logits).map(|(&tok, &l)| (tok, ((l / t) as f64 - log_z).exp())).collect();
                 let entropy: f64 = probs.iter().filter(|p| p.1 > 0.0).map(|p| -p.1 * p.1.ln()).sum();
                 let mut by_typicality: Vec<(u32, f64, f64)> =
                     probs.iter().map(|&(tok, p)| (tok, p, (-p.ln() - entropy).abs())).collect();

@@ -347,12 +347,9 @@ impl logits::HostStepLogits for HostState {
         })
     }
 
-    fn top_k(&mut self, _s: Resource<StepLogits>, row: u32, k: u32) -> wasmtime::Result<Vec<types::Candidate>> {
-        let r = self.step.row(row)?;
-        Ok(kimi_kernels::cpu::reduce::top_k(r, k as usize)
-            .into_iter()
-            .map(|(token, logit)| types::Candidate { token, logit })
-            .collect())
+    fn top_k(&mut self, _s: Resource<StepLogits>, row: u32, k: u32) -> wasmtime::Result<types::Candidates> {
+        let top = kimi_kernels::cpu::reduce::top_k(self.step.row(row)?, k as usize);
+        Ok(types::Candidates { tokens: top.iter().map(|c| c.0).collect(), logits: top.iter().map(|c| c.1).collect() })
     }
 
     fn gather(&mut self, _s: Resource<StepLogits>, row: u32, ids: Vec<u32>) -> wasmtime::Result<Vec<f32>> {

@@ -7,7 +7,7 @@ use std::time::Instant;
 use wasmtime::Store;
 use wasmtime::component::{Resource, ResourceAny};
 
-use super::bindings::host::kimi::host::types::{Candidate, PluginError as GuestError, RequestInfo};
+use super::bindings::host::kimi::host::types::{Candidates, PluginError as GuestError, RequestInfo};
 use super::bindings::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Row};
 use super::bindings::sampler::{Sampler, SamplerPre};
 use super::error::PluginError;
@@ -212,7 +212,10 @@ impl SamplerInstance {
             .zip(prepared)
             .map(|((seq, _), (st, cands))| Row {
                 seq: seq.0,
-                candidates: cands.into_iter().map(|(token, logit)| Candidate { token, logit }).collect(),
+                candidates: Candidates {
+                    tokens: cands.iter().map(|c| c.0).collect(),
+                    logits: cands.iter().map(|c| c.1).collect(),
+                },
                 stats: st,
             })
             .collect();

@@ -83,7 +83,8 @@ impl LogitsSource for HostLogits<'_> {
     }
 
     fn top_k(&mut self, k: u32) -> Vec<(u32, f32)> {
-        self.0.top_k(self.1, k).into_iter().map(|c| (c.token, c.logit)).collect()
+        let c = self.0.top_k(self.1, k);
+        c.tokens.into_iter().zip(c.logits).collect()
     }
 
     fn gather(&mut self, ids: &[u32]) -> Vec<f32> {
@@ -116,7 +117,8 @@ impl Guest for Standard {
             .enumerate()
             .map(|(i, row)| {
                 let seq: &Seq = row.seq.get();
-                let cands = row.candidates.into_iter().map(|c| (c.token, c.logit)).collect();
+                let c = row.candidates;
+                let cands = c.tokens.into_iter().zip(c.logits).collect();
                 seq.0.borrow_mut().sample(&mut HostLogits(logits, i as u32), cands).map_err(PluginError::Internal)
             })
             .collect()

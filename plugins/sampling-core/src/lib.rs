@@ -258,6 +258,8 @@ impl SeqState {
         }
         let adj = self.adjusted_tokens(vocab);
         let adj_ids: Vec<u32> = adj.iter().map(|a| a.0).collect();
+        let mut marks = ADJUSTED_MARKS.with(|m| m.take());
+        marks.set(&adj_ids, vocab);
         let adj_raw = src.gather(&adj_ids);
         // (id, raw, adjusted) for every token this step changes.
         let changed: Vec<(u32, f32, f32)> = adj
@@ -270,7 +272,7 @@ impl SeqState {
             changed.iter().map(|&(id, _, a)| (id, a)).filter(|c| !c.1.is_nan()).collect();
         adjusted.sort_unstable_by(canonical);
         let mut cands = candidates;
-        let mut k = (cands.len() as u32).max(64.min(vocab));
+        let k = (cands.len() as u32).max(64.min(vocab));
         if cands.len() < k as usize {
             cands = src.top_k(k);
         }
@@ -289,7 +291,27 @@ impl SeqState {
             }
             (lse_full + z_rel.max(f64::MIN_POSITIVE).ln(), self.rng.next_f64())
         };
-        let mut u = u;
+        let r = self.draw(src, &marks, &adjusted, cands, k, t, log_z, u, vocab, greedy);
+        marks.clear(&adj_ids);
+        ADJUSTED_MARKS.with(|m| m.replace(marks));
+        r
+    }
+
+    /// The draw of `sample` over the growing candidate list (`marks`: the adjusted tokens).
+    #[allow(clippy::too_many_arguments)]
+    fn draw(
+        &mut self,
+        src: &mut dyn LogitsSource,
+        marks: &IdMarks,
+        adjusted: &[(u32, f32)],
+        mut cands: Vec<(u32, f32)>,
+        mut k: u32,
+        t: f32,
+        log_z: f64,
+        mut u: f64,
+        vocab: u32,
+        greedy: bool,
+    ) -> Result<u32, String> {
         // Set once a draw has been read in whole-vocabulary probability units (see below).
         let mut full_units = false;
         loop {
@@ -299,8 +321,8 @@ impl SeqState {
             }
             // Candidates without the adjusted tokens, merged with the adjusted ones.
             let list = merge_canonical(
-                cands.iter().copied().filter(|c| !c.1.is_nan() && adj_ids.binary_search(&c.0).is_err()),
-                &adjusted,
+                cands.iter().copied().filter(|c| !c.1.is_nan() && !marks.contains(c.0)),
+                adjusted,
                 cands.len() + adjusted.len(),
             );
             if list.is_empty() {
@@ -365,9 +387,10 @@ impl SeqState {
             let norm: f64 = if top_k_on { lazy.sum(bound) } else { 1.0 };
             let norm_exact = exact || !top_k_on;
             let mut cum = 0.0;
+            let target = p.top_p as f64 * norm;
             let cut = (0..bound).find(|&i| {
-                cum += lazy.get(i) / norm;
-                cum >= p.top_p as f64
+                cum += lazy.get(i);
+                cum >= target
             });
             if let Some(i) = cut {
                 // With only a lower bound on the mass, the cut could lie further on.
@@ -388,6 +411,43 @@ impl SeqState {
         }
         (bound, exact)
     }
+}
+
+/// A set of token ids as one bit per vocabulary entry, kept per thread and reused: `sample`
+/// marks the step's adjusted tokens, tests every candidate against them, and clears them again
+/// (a binary search per candidate was about a quarter of a step).
+#[derive(Default)]
+struct IdMarks(Vec<u64>);
+
+impl IdMarks {
+    fn set(&mut self, ids: &[u32], vocab: u32) {
+        let words = (vocab as usize).div_ceil(64);
+        if self.0.len() < words {
+            self.0.resize(words, 0);
+        }
+        for &id in ids {
+            if let Some(w) = self.0.get_mut(id as usize / 64) {
+                *w |= 1 << (id % 64);
+            }
+        }
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        self.0.get(id as usize / 64).is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+
+    /// Clears the bits of `ids` (those `set` marked), leaving every word zero.
+    fn clear(&mut self, ids: &[u32]) {
+        for &id in ids {
+            if let Some(w) = self.0.get_mut(id as usize / 64) {
+                *w = 0;
+            }
+        }
+    }
+}
+
+thread_local! {
+    static ADJUSTED_MARKS: std::cell::Cell<IdMarks> = const { std::cell::Cell::new(IdMarks(Vec::new())) };
 }
 
 /// Canonical order: logit descending, then id ascending.
