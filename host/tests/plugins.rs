@@ -168,6 +168,27 @@ fn tenants_never_share_sampler_state() {
     assert_eq!(ia.sample(&[(&sa, &row)], None).expect("call")[0].as_ref().expect("id"), &4);
 }
 
+/// The pooling allocator reuses a freed instance's slot (and may keep its pages resident); the
+/// next instance, possibly another tenant's, must still start from the component's image.
+#[test]
+fn a_reused_pool_slot_starts_from_the_component_image() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let hostile = sampler(&rt, "test-hostile", TEST_HOSTILE);
+    let row = logits(64, 5);
+    for round in 0..12 {
+        let tenant = if round % 2 == 0 { "a" } else { "b" };
+        let mut inst = hostile.instantiate(env(64), Arc::new(TenantServices::default()), tenant).expect("instance");
+        let counting = inst.create_sequence(&req(tenant), "count", 1).expect("seq");
+        let scribbling = inst.create_sequence(&req(tenant), "residue", 1).expect("seq");
+        let counts: Vec<u32> =
+            (0..3).map(|_| *inst.sample(&[(&counting, &row)], None).expect("call")[0].as_ref().expect("id")).collect();
+        assert_eq!(counts, [1, 2, 3], "round {round}: a static left over from an earlier instance");
+        let dirty = inst.sample(&[(&scribbling, &row)], None).expect("call");
+        assert_eq!(dirty[0].as_ref().expect("id"), &0, "round {round}: grown memory holds an earlier instance's bytes");
+    }
+}
+
 fn standard(rt: &Arc<PluginRuntime>, vocab: u32) -> TenantSampler {
     let plugin = sampler(rt, "sampler-standard", builtin("sampler-standard").expect("builtin"));
     TenantSampler::new(plugin, env(vocab), Arc::new(TenantServices::default()), "t")

