@@ -11,8 +11,12 @@
 //! a *plain* token (valid UTF-8 with no `"`, `\`, control character or DEL) is allowed iff it has
 //! at most `r` characters, so the plain part of the mask is one precomputed set. A token of plain
 //! text then `"` (`abc",`) is allowed iff the string may close after that many characters and its
-//! tail may follow the close; the tails are tried once per mask, not once per token. Only the
-//! remaining tokens (escapes, partial UTF-8, specials) are walked. `r` is found by pushing a probe
+//! tail may follow the close; the tails are tried once per mask, not once per token. A token of
+//! plain text then the start of a character cut short (most of the vocabulary's CJK fragments) is
+//! allowed iff there is room for one character more. Tokens with escapes or DEL but no `"` never
+//! leave the string, so their verdicts depend on the room alone: they are walked once per room
+//! value and kept for every grammar. Only the rest (specials, escapes before a `"`) are walked on
+//! every mask. `r` is found by pushing a probe
 //! character through the lexer. Every other state goes to llguidance's slicer.
 //!
 //! Why this is exact. When every lexeme the lexer state may still be in is one of these strings:
@@ -21,7 +25,9 @@
 //! - the probe `g` is accepted only at a character boundary with room for one more character: not
 //!   after `\` (no such escape), inside `\u` (not hex), mid-UTF-8 or before the opening quote;
 //! - at a boundary with room `r` (the largest over the possible lexemes), a plain token of `n`
-//!   characters is accepted iff `n ≤ r`, since any plain character is valid content.
+//!   characters is accepted iff `n ≤ r`, since any plain character is valid content; so is `n`
+//!   plain characters then a valid incomplete UTF-8 sequence iff `n + 1 ≤ r`, since every
+//!   character it may complete to is non-ASCII and so plain, and bytes that are not UTF-8 never.
 //!
 //! The direct-path tests compare these masks with llguidance's own at every step of walks.
 
@@ -38,23 +44,40 @@ const PROBE: u8 = b'g';
 enum Kind {
     /// Plain text of this many characters: allowed iff the string has room for them.
     Plain(usize),
-    /// Plain text (possibly none) then a raw control character: never allowed, as the string
-    /// cannot end before it and JSON strings hold no raw control characters.
+    /// Plain text of this many characters, then the start of one more character (a valid but
+    /// incomplete UTF-8 sequence): allowed iff the string has room for one character more.
+    Partial(usize),
+    /// Never allowed: plain text (possibly none) then a raw control character (the string cannot
+    /// end before it, and JSON strings hold no raw control characters) or bytes that are not
+    /// UTF-8 (a continuation byte at a character boundary, an overlong or surrogate start).
     Never,
     /// Plain text of this many characters, then `"` at byte `at`: allowed iff the string may
     /// close after that many characters and the rest of the token may follow a close.
     Quoted { chars: usize, at: usize },
-    /// Anything else (escapes, partial UTF-8, specials, DEL): walked.
+    /// Anything else (escapes, specials, DEL): walked.
     Other,
 }
 
 impl Kind {
     fn of(token: &[u8]) -> Kind {
-        let Some(text) = std::str::from_utf8(token).ok().filter(|t| !t.is_empty()) else {
+        if token.is_empty() {
             return Kind::Other;
+        }
+        // The longest valid UTF-8 prefix, and whether what follows is a valid start of a
+        // character cut short (`error_len() == None`) or not UTF-8 at all.
+        let (text, tail) = match std::str::from_utf8(token) {
+            Ok(t) => (t, None),
+            Err(e) => {
+                let t = std::str::from_utf8(&token[..e.valid_up_to()]).unwrap_or_default();
+                (t, Some(e.error_len().is_none()))
+            }
         };
         match text.chars().find(|c| matches!(c, '"' | '\\' | '\0'..='\x1f' | '\x7f')) {
-            None => Kind::Plain(text.chars().count()),
+            None => match tail {
+                None => Kind::Plain(text.chars().count()),
+                Some(true) => Kind::Partial(text.chars().count()),
+                Some(false) => Kind::Never,
+            },
             Some('\0'..='\x1f') => Kind::Never,
             Some('"') => {
                 let at = text.find('"').unwrap_or(0);
@@ -67,12 +90,20 @@ impl Kind {
 
 /// The vocabulary split for `JsonTextBias`: plain tokens by character count, and the rest.
 pub struct PlainTokens {
-    /// `up_to[n]`: the plain tokens of at most `n` characters (`n` up to the longest one).
+    /// `up_to[n]`: the plain and partial tokens that fit in `n` characters of room (a partial
+    /// token needs one more than it holds whole), `n` up to the longest.
     up_to: Vec<SimpleVob>,
-    /// A trie of the `Kind::Other` and `Kind::Quoted` tokens, walked as usual.
+    /// A trie of the `Kind::Quoted` tokens and the `Kind::Other` ones not in `steady`, walked
+    /// when more than one string lexeme is possible.
     rest: TokTrie,
-    /// A trie of the `Kind::Other` tokens alone.
+    /// A trie of the `Kind::Other` tokens not in `steady`, walked on every mask.
     other: TokTrie,
+    /// A trie of the `Kind::Other` tokens that hold no `"` and are not specials (escapes, DEL):
+    /// such a token never leaves the string, so whether it is allowed depends only on the room,
+    /// and it is walked once per room value, for the first grammar that needs it.
+    steady: TokTrie,
+    /// `steady_at[r]`: the `steady` tokens allowed with `r` characters of room, once walked.
+    steady_at: Vec<std::sync::OnceLock<SimpleVob>>,
     /// The `Kind::Quoted` tokens' tails from the quote on, sorted and distinct.
     closers: Vec<Vec<u8>>,
     /// Each `Kind::Quoted` token, its characters before the quote and its tail in `closers`.
@@ -82,24 +113,36 @@ pub struct PlainTokens {
 impl PlainTokens {
     pub fn new(trie: &TokTrie) -> PlainTokens {
         let kinds: Vec<Kind> = (0..trie.vocab_size() as u32).map(|id| Kind::of(trie.token(id))).collect();
+        let is_steady = |id: usize| {
+            let t = trie.token(id as u32);
+            !t.contains(&b'"') && t.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER)
+        };
+        // A steady token has at most as many characters as bytes, so with room for its byte
+        // length it fits: `room` stops counting there.
         let longest = kinds
             .iter()
-            .filter_map(|k| match k {
+            .enumerate()
+            .filter_map(|(id, k)| match k {
                 Kind::Plain(n) | Kind::Quoted { chars: n, .. } => Some(*n),
+                Kind::Partial(n) => Some(n + 1),
+                Kind::Other if is_steady(id) => Some(trie.token(id as u32).len()),
                 _ => None,
             })
             .max()
             .unwrap_or(0);
         let mut by_len: Vec<Vec<u32>> = vec![Vec::new(); longest + 1];
-        let (mut rest, mut other) = (trie.alloc_token_set(), trie.alloc_token_set());
+        let (mut rest, mut other, mut steady) =
+            (trie.alloc_token_set(), trie.alloc_token_set(), trie.alloc_token_set());
         let mut closers = Vec::new();
         for (id, kind) in kinds.iter().enumerate() {
             match kind {
                 Kind::Plain(n) => by_len[*n].push(id as u32),
+                Kind::Partial(n) => by_len[n + 1].push(id as u32),
                 Kind::Quoted { at, .. } => {
                     rest.allow_token(id as u32);
                     closers.push(trie.token(id as u32)[*at..].to_vec());
                 }
+                Kind::Other if is_steady(id) => steady.allow_token(id as u32),
                 Kind::Other => {
                     rest.allow_token(id as u32);
                     other.allow_token(id as u32);
@@ -128,11 +171,29 @@ impl PlainTokens {
             }
             up_to.push(set.clone());
         }
-        PlainTokens { up_to, rest: trie.filter(&rest), other: trie.filter(&other), closers, quoted }
+        PlainTokens {
+            up_to,
+            rest: trie.filter(&rest),
+            other: trie.filter(&other),
+            steady: trie.filter(&steady),
+            steady_at: (0..=longest).map(|_| std::sync::OnceLock::new()).collect(),
+            closers,
+            quoted,
+        }
     }
 
     fn longest(&self) -> usize {
         self.up_to.len() - 1
+    }
+
+    /// The steady tokens allowed with `room` characters of room, walked with `rec` (at a
+    /// character boundary inside one of our strings with that room) the first time.
+    fn steady_at(&self, room: usize, rec: &mut ParserRecognizer<'_>) -> &SimpleVob {
+        self.steady_at[room].get_or_init(|| {
+            let mut set = self.steady.alloc_token_set();
+            self.steady.add_bias(rec, &mut set, &[]);
+            set
+        })
     }
 }
 
@@ -264,6 +325,7 @@ impl BiasComputer for JsonTextBias {
             && let Some(room) = self.room(rec)
         {
             let mut set = self.plain.up_to[room].clone();
+            set.or(self.plain.steady_at(room, rec));
             if self.add_quoted(rec, room, &mut set) {
                 self.plain.other.add_bias(rec, &mut set, &[]);
             } else {
