@@ -93,3 +93,26 @@ fn text_spelling_every_special_yields_no_special_id() {
     assert_eq!(ids.iter().filter(|&&i| i == 163_587).count(), 1);
     assert!(tok.encode_segments(&[Segment::Special("<|nope|>".into())]).is_err());
 }
+
+#[test]
+fn bytes_that_end_inside_a_character_encode_to_exactly_those_bytes() {
+    let tok = kimi();
+    for text in ["kimi 你好 world", "naïve café", "emoji 🙂 end", "日本語のテキスト"] {
+        let bytes = text.as_bytes();
+        // Valid UTF-8 encodes as text does.
+        assert_eq!(tok.encode_bytes(bytes), tok.encode_text(text), "{text:?}");
+        for cut in 1..bytes.len() {
+            for part in [&bytes[..cut], &bytes[cut..]] {
+                let ids = tok.encode_bytes(part);
+                assert!(ids.iter().all(|&id| !tok.is_special(id)), "{part:?}");
+                assert_eq!(tok.decode_bytes(&ids).expect("ids decode"), part, "{text:?} cut at {cut}");
+            }
+        }
+    }
+    // The valid prefix is tokenized as ordinary text.
+    let prefix = "hello world ";
+    let mut bytes = prefix.as_bytes().to_vec();
+    bytes.extend_from_slice(&"你".as_bytes()[..2]);
+    let ids = tok.encode_bytes(&bytes);
+    assert!(ids.starts_with(&tok.encode_text(prefix)), "{ids:?}");
+}

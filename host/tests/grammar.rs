@@ -84,3 +84,29 @@ fn invalid_constraints_are_reported_not_panicked() {
     let mut b = b;
     assert!(!b.is_accepting());
 }
+
+/// Forced bytes that end inside a character ("你" and "佬" share their first two bytes): the
+/// forced tokens spell a prefix of them and the grammar accepts them. (llguidance also answers a
+/// mask with the first forced token alone, so a wrong one — U+FFFD from a lossy decode — made
+/// the first mask allow only a token the grammar then refuses.)
+#[test]
+fn forced_tokens_that_end_inside_a_character_spell_the_forced_bytes() {
+    let (tok, g) = engine();
+    let c = Constraint::Regex("(你|佬)x".into());
+    let mut first = g.matcher(&c).expect("compiles");
+    let mask = first.mask().expect("mask");
+    mask.iter_set_entries(|id| {
+        let b = tok.decode_bytes(&[id as u32]).expect("decode");
+        assert!("你x".as_bytes().starts_with(&b) || "佬x".as_bytes().starts_with(&b), "first mask allows {id} = {b:?}");
+    });
+    let mut m = g.matcher(&c).expect("compiles");
+    let forced = m.forced_tokens();
+    let bytes = tok.decode_bytes(&forced).expect("decode");
+    assert!("你".as_bytes().starts_with(&bytes), "forced {forced:?} = {bytes:?}");
+    for t in forced {
+        m.consume(t).expect("a forced token is allowed");
+    }
+    // A full walk still ends in one of the two texts.
+    let text = walk(&tok, &g, &c, 7);
+    assert!(text == "你x" || text == "佬x", "{text:?}");
+}

@@ -91,8 +91,9 @@ impl TokenizerEnv for KimiTokEnv {
         &self.trie
     }
 
+    // Forced bytes can end inside a character; their ids must spell exactly those bytes.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
-        self.tok.encode_text(&String::from_utf8_lossy(s))
+        self.tok.encode_bytes(s)
     }
 }
 

@@ -174,6 +174,22 @@ impl Tokenizer {
         out
     }
 
+    /// Bytes that need not be UTF-8 (a grammar's forced bytes can end inside a character) → ids
+    /// whose bytes are exactly `bytes`: valid runs as ordinary text, each invalid run by byte-pair
+    /// merges of its own bytes. Never a special id.
+    pub fn encode_bytes(&self, bytes: &[u8]) -> Vec<u32> {
+        let mut out = Vec::with_capacity(bytes.len() / 3 + 1);
+        for chunk in bytes.utf8_chunks() {
+            if !chunk.valid().is_empty() {
+                out.extend(self.encode_text(chunk.valid()));
+            }
+            if !chunk.invalid().is_empty() {
+                self.ranks.encode_piece(chunk.invalid(), &mut out);
+            }
+        }
+        out
+    }
+
     fn encode_chunk(&self, chunk: &str, out: &mut Vec<u32>) {
         self.pre.pieces(chunk, |piece| self.ranks.encode_piece(piece.as_bytes(), out));
     }
