@@ -213,7 +213,8 @@ pub async fn bench_serve(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let app = crate::server::router(state.clone());
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let http = state.http.clone();
+    tokio::spawn(crate::server::listener::serve(listener, app, http, std::future::pending(), Duration::ZERO));
     let model = state.model_name.clone();
     // Warm-up: compile caches, first-touch the weights.
     http_one(addr, &model, 0, 4).await?;

@@ -242,7 +242,7 @@ impl Worker {
                 }
                 Ok(hs)
             })();
-            sampler.observe(&created);
+            let created = sampler.judge(created);
             let handles = match created {
                 Ok(h) => h,
                 Err(e) => return Err((tx, EngineError::Plugin(e))),
@@ -466,11 +466,10 @@ impl Worker {
                     inst.sample(&batch, Some(&health))
                 }
             };
-            sampler.observe(&out);
-            match out {
+            match sampler.judge(out) {
                 Ok(results) => {
                     for (&k, r) in live.iter().zip(results) {
-                        sampler.observe(&r);
+                        let r = sampler.judge(r);
                         chosen[k] = Some(r.map_err(EngineError::Plugin));
                     }
                 }

@@ -108,6 +108,24 @@ pub struct GrammarEngine {
 /// Distinct constraints kept compiled.
 const CACHE_ENTRIES: usize = 1024;
 
+/// Largest constraint text (schema, grammar, regex or all choices together) compiled.
+pub const MAX_CONSTRAINT_BYTES: usize = 1 << 20;
+
+/// Stack of the thread a constraint compiles on. llguidance's front ends recurse once per
+/// object property (an 8,000-property schema overflowed a 2 MiB worker stack and killed the
+/// process), so compilation gets a stack of its own, 32× that; the pages are only committed
+/// when touched. The server's schema caps (`[limits]`) keep requests far below it.
+const COMPILE_STACK: usize = 64 << 20;
+
+impl Constraint {
+    fn text_len(&self) -> usize {
+        match self {
+            Constraint::JsonSchema(s) | Constraint::Lark(s) | Constraint::Regex(s) => s.len(),
+            Constraint::Choice(v) => v.iter().map(String::len).sum(),
+        }
+    }
+}
+
 impl GrammarEngine {
     /// `vocab_size`: the logits width (may exceed the tokenizer's ids); `eos`: the stop token.
     pub fn new(tok: Arc<Tokenizer>, vocab_size: usize, eos: u32) -> Result<GrammarEngine, GrammarError> {
@@ -147,16 +165,34 @@ impl GrammarEngine {
         if let Some(m) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(ConstraintMatcher(m.deep_clone()));
         }
-        let m = match self.compile_direct(c) {
-            Some(m) => m,
-            None => self.compile_llguidance(c)?,
-        };
+        if c.text_len() > MAX_CONSTRAINT_BYTES {
+            return Err(GrammarError::Invalid(format!(
+                "the constraint is {} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
+                c.text_len()
+            )));
+        }
+        let m = self.on_compile_stack(|| match self.compile_direct(c) {
+            Some(m) => Ok(m),
+            None => self.compile_llguidance(c),
+        })?;
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= CACHE_ENTRIES {
             cache.clear();
         }
         cache.insert(key, m.deep_clone());
         Ok(ConstraintMatcher(m))
+    }
+
+    /// Runs `f` on a thread with `COMPILE_STACK` of stack.
+    fn on_compile_stack<T: Send>(&self, f: impl FnOnce() -> Result<T, GrammarError> + Send) -> Result<T, GrammarError> {
+        std::thread::scope(|scope| {
+            let worker = std::thread::Builder::new()
+                .name("kimi-grammar-compile".into())
+                .stack_size(COMPILE_STACK)
+                .spawn_scoped(scope, f)
+                .map_err(|e| GrammarError::Engine(format!("compile thread: {e}")))?;
+            worker.join().map_err(|_| GrammarError::Engine("constraint compilation panicked".into()))?
+        })
     }
 
     /// `c` built without llguidance's front ends, when it is in the subset that allows it.
@@ -196,7 +232,7 @@ impl GrammarEngine {
     /// A matcher compiled by llguidance's own front end (no direct path, no cache): the
     /// reference the direct path is tested against.
     pub fn matcher_via_llguidance(&self, c: &Constraint) -> Result<ConstraintMatcher, GrammarError> {
-        self.compile_llguidance(c).map(ConstraintMatcher)
+        self.on_compile_stack(|| self.compile_llguidance(c)).map(ConstraintMatcher)
     }
 
     /// Whether `c` takes the direct path (no llguidance front end).

@@ -49,7 +49,7 @@ impl<P> OneShot<P> {
             pre,
             runtime,
             limits: kind.default_limits(),
-            health: Arc::default(),
+            health: Arc::new(PluginHealth::new(compiled.trusted)),
             kind,
         })
     }
@@ -74,12 +74,11 @@ impl<P> OneShot<P> {
         });
         self.health.record_call(t.elapsed());
         match r {
-            Ok((v, b)) => Ok((v, b, store)),
-            Err(e) => {
-                let e = call_error(&self.name, &self.limits, e);
-                self.health.record_failure(true, matches!(e, PluginError::Timeout { .. }));
-                Err(e)
+            Ok((v, b)) => {
+                self.health.record_success();
+                Ok((v, b, store))
             }
+            Err(e) => Err(self.health.failed(call_error(&self.name, &self.limits, e))),
         }
     }
 }

@@ -137,6 +137,8 @@ pub struct CompiledPlugin {
     pub sha256: String,
     pub imports: Vec<String>,
     pub exports: Vec<String>,
+    /// One of our builtins (set by whoever loaded it from `builtin:`; see `PluginHealth`).
+    pub trusted: bool,
 }
 
 /// What `plugin check` reports.
@@ -249,7 +251,7 @@ impl PluginRuntime {
         let (imports, exports) = self.interface_names(&component);
         let kind = classify(&imports, &exports)
             .map_err(|reason| PluginError::Rejected { plugin: name.to_string(), reason })?;
-        Ok(CompiledPlugin { name: name.to_string(), kind, component, sha256, imports, exports })
+        Ok(CompiledPlugin { name: name.to_string(), kind, component, sha256, imports, exports, trusted: false })
     }
 
     fn compile_cached(&self, name: &str, bytes: &[u8], sha256: &str) -> Result<Component, PluginError> {

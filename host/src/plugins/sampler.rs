@@ -21,6 +21,8 @@ pub struct SamplerPlugin {
     pre: SamplerPre<HostState>,
     runtime: Arc<PluginRuntime>,
     pub limits: KindLimits,
+    /// A builtin (see `PluginHealth::trusted`).
+    pub trusted: bool,
 }
 
 impl SamplerPlugin {
@@ -39,7 +41,13 @@ impl SamplerPlugin {
             plugin: compiled.name.clone(),
             reason: format!("does not match the sampler world: {e:#}"),
         })?;
-        Ok(SamplerPlugin { name: compiled.name.clone(), pre, runtime, limits: PluginKind::Sampler.default_limits() })
+        Ok(SamplerPlugin {
+            name: compiled.name.clone(),
+            pre,
+            runtime,
+            limits: PluginKind::Sampler.default_limits(),
+            trusted: compiled.trusted,
+        })
     }
 
     pub fn with_limits(mut self, limits: KindLimits) -> Self {
@@ -280,8 +288,8 @@ pub struct TenantSampler {
 impl TenantSampler {
     pub fn new(plugin: Arc<SamplerPlugin>, env: Arc<PluginEnv>, services: Arc<TenantServices>, tenant: &str) -> Self {
         TenantSampler {
+            health: Arc::new(PluginHealth::new(plugin.trusted)),
             plugin,
-            health: Arc::default(),
             env,
             services,
             tenant: tenant.to_string(),
@@ -303,6 +311,7 @@ impl TenantSampler {
                     self.generation += 1;
                 }
                 Err(e) => {
+                    // Instantiation takes no request input: always a strike.
                     self.health.record_failure(true, matches!(e, PluginError::Timeout { .. }));
                     return Err(e);
                 }
@@ -316,15 +325,15 @@ impl TenantSampler {
         self.generation
     }
 
-    /// Records the outcome of a call for the circuit breaker.
-    pub fn observe<T>(&self, r: &Result<T, PluginError>) {
-        if let Err(e) = r {
-            let timeout = matches!(e, PluginError::Timeout { .. });
-            let trap =
-                matches!(e, PluginError::Trap { .. } | PluginError::OutOfMemory { .. } | PluginError::BadReturn { .. });
-            if timeout || trap {
-                self.health.record_failure(trap, timeout);
+    /// Records the outcome of a call for the circuit breaker; a trusted sampler's request-caused
+    /// failures come back as the request's error (see `PluginHealth::failed`).
+    pub fn judge<T>(&self, r: Result<T, PluginError>) -> Result<T, PluginError> {
+        match r {
+            Ok(v) => {
+                self.health.record_success();
+                Ok(v)
             }
+            Err(e) => Err(self.health.failed(e)),
         }
     }
 }

@@ -54,6 +54,9 @@ pub async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Resu
 pub fn plugin_error(e: PluginError) -> ApiError {
     match &e {
         PluginError::Guest { client: true, .. } => ApiError::bad(e.to_string()),
+        PluginError::RequestTooLarge { .. } => {
+            ApiError { code: Some("request_too_large"), ..ApiError::bad(e.to_string()) }
+        }
         PluginError::Disabled { .. } => ApiError {
             code: Some("plugin_disabled"),
             ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string())
@@ -98,18 +101,7 @@ async fn run(
     ep: Endpoint,
     t0: Instant,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|e| {
-        let status = e.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                status,
-                "invalid_request_error",
-                format!("request body exceeds this server's limit of {} bytes", s.limits.max_body_bytes),
-            )
-        } else {
-            ApiError::new(status, "invalid_request_error", e.body_text())
-        }
-    })?;
+    let body = body.map_err(|e| super::body_error(e, s.limits.max_body_bytes))?;
     let obj = json_object(&body)?;
     let params = gen_params(&obj, s.limits.max_n, s.vocab)?;
     if params.model != s.model_name {
@@ -210,9 +202,10 @@ fn prepare(
         model: s.model_name.clone(),
         params_json: p.sampling_json.clone(),
     };
+    super::bounds::check(&obj, &s.limits)?;
     let body_json = Value::Object(obj.clone()).to_string();
     let mut template = None;
-    let mut constraint = None;
+    let mut grammar_job = None;
     let (prompt, stop_tokens) = match ep {
         Endpoint::Chat => {
             match obj.get("messages") {
@@ -282,9 +275,8 @@ fn prepare(
                     thinking_json: Some(thinking_fields(&obj).to_string()),
                     thinking_budgets: tenant.thinking_budgets.clone(),
                 };
-                if let Some(c) = g.plan(&s.env, &tenant.services, &info, &gr).map_err(plugin_error)? {
-                    constraint = Some(s.grammar.matcher(&c).map_err(|e| ApiError::bad(format!("constraint: {e}")))?);
-                }
+                // Planned and compiled once the prompt is known to fit (compiling costs more).
+                grammar_job = Some((g, gr));
             }
             template = Some(t);
             (ids, stops)
@@ -332,6 +324,13 @@ fn prepare(
         Some(m) => m,
         None => s.limits.default_max_tokens.min(room),
     };
+    let constraint = match grammar_job {
+        Some((g, gr)) => match g.plan(&s.env, &tenant.services, &info, &gr).map_err(plugin_error)? {
+            Some(c) => Some(s.grammar.matcher(&c).map_err(|e| ApiError::bad(format!("constraint: {e}")))?),
+            None => None,
+        },
+        None => None,
+    };
 
     // Policies see the final token counts.
     let meta = RequestMeta {
@@ -345,7 +344,12 @@ fn prepare(
         streaming: p.stream,
     };
     for (name, config) in &tenant.policies {
-        let Some(LoadedPlugin::Policy(policy)) = tenant.plugin(name).map(|e| e.plugin) else { continue };
+        // A configured policy cannot be removed by the tenant; if it is missing anyway, fail
+        // closed rather than serve without the limits it enforces.
+        let Some(LoadedPlugin::Policy(policy)) = tenant.plugin(name).map(|e| e.plugin) else {
+            tracing::error!(tenant = %tenant.name, policy = %name, "configured policy is missing; refusing the request");
+            return Err(ApiError::internal(format!("this tenant's policy `{name}` is unavailable")));
+        };
         match policy.admit(&s.env, &tenant.services, &tenant.name, config, &meta, &body_json).map_err(plugin_error)? {
             crate::plugins::Admission::Allow => {}
             crate::plugins::Admission::Reject(r) => {

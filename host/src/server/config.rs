@@ -37,6 +37,10 @@ pub struct ServeConfig {
     pub engine: EngineSection,
     #[serde(default)]
     pub limits: LimitsSection,
+    #[serde(default)]
+    pub http: HttpSection,
+    #[serde(default)]
+    pub operator: OperatorSection,
     /// Where compiled plugins are cached (default: the user cache directory).
     pub plugin_cache: Option<PathBuf>,
     #[serde(default)]
@@ -102,12 +106,87 @@ pub struct LimitsSection {
     pub max_n: usize,
     /// Context length served (default: the model's).
     pub max_context: Option<usize>,
+    /// Most chat messages in one request.
+    pub max_messages: usize,
+    /// Most content parts plus tool calls over all messages.
+    pub max_content_parts: usize,
+    /// Most image parts.
+    pub max_images: usize,
+    /// Most tools.
+    pub max_tools: usize,
+    /// Most `properties` entries over all schemas (tools and response_format).
+    pub max_schema_properties: usize,
+    /// Most JSON values over all schemas.
+    pub max_schema_nodes: usize,
+    /// Deepest JSON nesting of a tool or response_format.
+    pub max_schema_depth: usize,
+    /// Longest stop sequence, in bytes.
+    pub max_stop_bytes: usize,
+    /// Most logit_bias entries.
+    pub max_logit_bias: usize,
 }
 
 impl Default for LimitsSection {
     fn default() -> Self {
-        LimitsSection { max_body_bytes: 8 << 20, default_max_tokens: 1024, max_n: 8, max_context: None }
+        LimitsSection {
+            max_body_bytes: 8 << 20,
+            default_max_tokens: 1024,
+            max_n: 8,
+            max_context: None,
+            max_messages: 4096,
+            max_content_parts: 8192,
+            max_images: 32,
+            max_tools: 128,
+            max_schema_properties: 5000,
+            max_schema_nodes: 100_000,
+            max_schema_depth: 100,
+            max_stop_bytes: 1024,
+            max_logit_bias: 1024,
+        }
     }
+}
+
+/// Connection hygiene: a bounded number of slow or idle clients cannot starve the others.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSection {
+    /// Most open connections (more are answered 503 and closed at once).
+    pub max_connections: usize,
+    /// Most open connections from one client address.
+    pub max_connections_per_ip: usize,
+    /// Time a client has to send a request's headers, counted from when the server starts
+    /// waiting for them; on a keep-alive connection that is also its idle limit.
+    pub header_timeout_ms: u64,
+    /// Time a client has to send a request's body.
+    pub body_timeout_ms: u64,
+    /// A response write that makes no progress this long (a client that stopped reading)
+    /// closes the connection.
+    pub write_timeout_ms: u64,
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        HttpSection {
+            max_connections: 4096,
+            max_connections_per_ip: 256,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 30_000,
+            write_timeout_ms: 60_000,
+        }
+    }
+}
+
+/// The operator's own access: admin endpoints, and what `/metrics` shows to whom.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OperatorSection {
+    /// SHA-256 (hex) of each operator key (`/admin/*`; `/metrics` when `metrics_require_key`).
+    pub api_key_sha256: Vec<String>,
+    /// `/metrics` answers only requests with an operator key.
+    pub metrics_require_key: bool,
+    /// Label uploaded and operator-configured plugins by name on `/metrics` (otherwise they are
+    /// summed per tenant and kind as `upload` / `configured`; builtins always keep their names).
+    pub metrics_plugin_names: bool,
 }
 
 /// One tenant: who it is, which plugins it runs, what it may use.
@@ -198,6 +277,8 @@ impl ServeConfig {
             threads: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
+            http: HttpSection::default(),
+            operator: OperatorSection::default(),
             plugin_cache: None,
             tenants: vec![TenantConfig {
                 name: "local".into(),
@@ -223,18 +304,35 @@ impl ServeConfig {
         }
         let mut names = std::collections::HashSet::new();
         let mut anonymous = 0;
+        let key_hashes_ok = |keys: &[String], at: &str| match keys
+            .iter()
+            .all(|k| k.len() == 64 && k.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            true => Ok(()),
+            false => {
+                Err(ConfigError::Invalid(format!("{at}: api_key_sha256 entries are 64 hex digits (sha256 of the key)")))
+            }
+        };
+        key_hashes_ok(&self.operator.api_key_sha256, "operator")?;
+        if self.operator.metrics_require_key && self.operator.api_key_sha256.is_empty() {
+            return Err(ConfigError::Invalid(
+                "operator.metrics_require_key needs at least one operator.api_key_sha256".into(),
+            ));
+        }
+        let h = &self.http;
+        if h.max_connections == 0 || h.max_connections_per_ip == 0 {
+            return Err(ConfigError::Invalid(
+                "http.max_connections and http.max_connections_per_ip must be ≥ 1".into(),
+            ));
+        }
+        if h.header_timeout_ms == 0 || h.body_timeout_ms == 0 || h.write_timeout_ms == 0 {
+            return Err(ConfigError::Invalid("http timeouts must be ≥ 1 ms".into()));
+        }
         for t in &self.tenants {
             if !names.insert(&t.name) {
                 return Err(ConfigError::Invalid(format!("tenant `{}` is defined twice", t.name)));
             }
-            for k in &t.api_key_sha256 {
-                if k.len() != 64 || !k.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err(ConfigError::Invalid(format!(
-                        "tenants.{}: api_key_sha256 entries are 64 hex digits (sha256 of the key)",
-                        t.name
-                    )));
-                }
-            }
+            key_hashes_ok(&t.api_key_sha256, &format!("tenants.{}", t.name))?;
             anonymous += usize::from(t.anonymous);
             for e in t.thinking_budgets.keys() {
                 if !matches!(e.as_str(), "low" | "high" | "max") {

@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use super::tenants::Tenant;
+use super::tenants::{PluginOrigin, Tenant};
 use crate::engine::EngineStats;
 use crate::plugins::PluginHealth;
 
@@ -62,6 +62,28 @@ pub struct Metrics {
     plugin_timeouts: Family<PluginLabels, Counter>,
     plugin_failures: Family<PluginLabels, Counter>,
     plugin_disabled: Family<PluginLabels, Gauge>,
+}
+
+/// One label set's plugin figures (several plugins when names are hidden).
+#[derive(Default)]
+struct PluginTotals {
+    calls: u64,
+    nanos: u64,
+    traps: u64,
+    timeouts: u64,
+    failures: u64,
+    disabled: i64,
+}
+
+impl PluginTotals {
+    fn add(&mut self, h: &PluginHealth) {
+        self.calls += h.calls.load(Ordering::Relaxed);
+        self.nanos += h.call_nanos.load(Ordering::Relaxed);
+        self.traps += h.traps.load(Ordering::Relaxed);
+        self.timeouts += h.timeouts.load(Ordering::Relaxed);
+        self.failures += h.failures.load(Ordering::Relaxed);
+        self.disabled += i64::from(h.is_open());
+    }
 }
 
 /// Brings a counter up to an externally kept monotonic total.
@@ -162,22 +184,23 @@ impl Metrics {
             .inc();
     }
 
-    fn plugin(&self, tenant: &str, name: &str, kind: &str, h: &PluginHealth) {
-        let l = PluginLabels { tenant: tenant.into(), plugin: name.into(), kind: kind.into() };
-        sync(&self.plugin_calls.get_or_create(&l), h.calls.load(Ordering::Relaxed));
-        let secs = h.call_nanos.load(Ordering::Relaxed) as f64 * 1e-9;
-        let c = self.plugin_seconds.get_or_create(&l);
+    fn plugin(&self, l: &PluginLabels, t: &PluginTotals) {
+        sync(&self.plugin_calls.get_or_create(l), t.calls);
+        let secs = t.nanos as f64 * 1e-9;
+        let c = self.plugin_seconds.get_or_create(l);
         if secs > c.get() {
             c.inc_by(secs - c.get());
         }
-        sync(&self.plugin_traps.get_or_create(&l), h.traps.load(Ordering::Relaxed));
-        sync(&self.plugin_timeouts.get_or_create(&l), h.timeouts.load(Ordering::Relaxed));
-        sync(&self.plugin_failures.get_or_create(&l), h.failures.load(Ordering::Relaxed));
-        self.plugin_disabled.get_or_create(&l).set(i64::from(h.is_disabled()));
+        sync(&self.plugin_traps.get_or_create(l), t.traps);
+        sync(&self.plugin_timeouts.get_or_create(l), t.timeouts);
+        sync(&self.plugin_failures.get_or_create(l), t.failures);
+        self.plugin_disabled.get_or_create(l).set(t.disabled);
     }
 
-    /// The exposition text, with engine and plugin figures read now.
-    pub fn render(&self, stats: &EngineStats, tenants: &[Arc<Tenant>]) -> String {
+    /// The exposition text, with engine and plugin figures read now. Unless `plugin_names`,
+    /// a tenant's uploaded and configured plugins are summed per kind under `upload` /
+    /// `configured`, so an open `/metrics` never shows one tenant's plugin names to another.
+    pub fn render(&self, stats: &EngineStats, tenants: &[Arc<Tenant>], plugin_names: bool) -> String {
         let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as i64;
         self.queue_depth.set(load(&stats.waiting));
         self.running_requests.set(load(&stats.running_requests));
@@ -192,10 +215,20 @@ impl Metrics {
         sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));
         sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));
         sync(&self.pool_timeouts, stats.pool_timeouts.load(Ordering::Relaxed));
+        let mut totals: std::collections::BTreeMap<(String, String, String), PluginTotals> = Default::default();
         for t in tenants {
             for p in t.list() {
-                self.plugin(&t.name, &p.name, p.plugin.kind().name(), &p.health);
+                let shown = match p.origin {
+                    _ if plugin_names => p.name.clone(),
+                    PluginOrigin::Builtin => p.name.clone(),
+                    other => other.name().to_string(),
+                };
+                let key = (t.name.clone(), shown, p.plugin.kind().name().to_string());
+                totals.entry(key).or_default().add(&p.health);
             }
+        }
+        for ((tenant, plugin, kind), t) in totals {
+            self.plugin(&PluginLabels { tenant, plugin, kind }, &t);
         }
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);

@@ -3,9 +3,11 @@
 //! Prometheus metrics. One request: `auth` → `chat::prepare` (policies, template, tokenizer,
 //! grammar) → `engine` → `chat::respond` (output parser, stop strings, JSON or SSE).
 
+pub mod bounds;
 pub mod chat;
 pub mod config;
 pub mod embedded;
+pub mod listener;
 pub mod metrics;
 pub mod openai;
 pub mod plugins_api;
@@ -28,7 +30,7 @@ use crate::grammar::GrammarEngine;
 use crate::model::Model;
 use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
 use crate::tokenizer::Tokenizer;
-use config::{LimitsSection, ServeConfig, key_hash};
+use config::{HttpSection, LimitsSection, OperatorSection, ServeConfig, key_hash};
 use metrics::Metrics;
 use openai::ApiError;
 use tenants::Tenant;
@@ -43,6 +45,8 @@ pub struct AppState {
     pub runtime: Arc<PluginRuntime>,
     pub tenants: Vec<Arc<Tenant>>,
     pub limits: LimitsSection,
+    pub http: HttpSection,
+    pub operator: OperatorSection,
     pub metrics: Metrics,
     pub max_context: usize,
     pub vocab: u32,
@@ -110,6 +114,8 @@ impl AppState {
             runtime,
             tenants,
             limits: cfg.limits.clone(),
+            http: cfg.http.clone(),
+            operator: cfg.operator.clone(),
             metrics: Metrics::new(),
             max_context,
             vocab: vocab as u32,
@@ -149,6 +155,58 @@ impl AppState {
     }
 }
 
+impl AppState {
+    /// Whether the request carries one of the operator's keys.
+    pub fn is_operator(&self, headers: &HeaderMap) -> bool {
+        let key = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        key.is_some_and(|k| self.operator.api_key_sha256.iter().any(|h| h.eq_ignore_ascii_case(&key_hash(k))))
+    }
+
+    /// Plugins whose breaker is open now, as (tenant, plugin, origin).
+    pub fn disabled_plugins(&self) -> Vec<(String, String, tenants::PluginOrigin)> {
+        let mut out = Vec::new();
+        for t in &self.tenants {
+            for p in t.list() {
+                if p.health.is_open() {
+                    out.push((t.name.clone(), p.name.clone(), p.origin));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A request body that could not be read: too large (413), too slow (408) or cut off (400).
+pub fn body_error(e: axum::extract::rejection::BytesRejection, max_body_bytes: usize) -> ApiError {
+    let status = e.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::new(
+            status,
+            "invalid_request_error",
+            format!("request body exceeds this server's limit of {max_body_bytes} bytes"),
+        );
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = source {
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return ApiError {
+                code: Some("request_timeout"),
+                ..ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "the request body was not received in time",
+                )
+            };
+        }
+        source = err.source();
+    }
+    ApiError::new(status, "invalid_request_error", e.body_text())
+}
+
 /// A short, non-secret id of the request's key (for per-key policies and logs).
 pub fn key_id(headers: &HeaderMap) -> String {
     match headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
@@ -185,16 +243,21 @@ pub type Shared = Arc<AppState>;
 
 pub fn router(state: Shared) -> Router {
     let limit = state.limits.max_body_bytes;
+    let body_timeout = Duration::from_millis(state.http.body_timeout_ms);
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
         .route("/v1/models", get(models))
         .route("/v1/plugins", get(plugins_api::list).post(plugins_api::upload))
         .route("/v1/plugins/{name}", delete(plugins_api::remove))
+        .route("/admin/plugins", get(plugins_api::admin_list))
+        .route("/admin/tenants/{tenant}/plugins/{name}/reset", post(plugins_api::admin_reset))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state)
 }
 
@@ -202,19 +265,41 @@ async fn not_found() -> ApiError {
     ApiError::not_found("no such endpoint")
 }
 
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} does not accept {method}", uri.path()),
+    )
+}
+
 /// Readiness: 503 once the engine has stopped (shutdown or a fault), so a load balancer stops
-/// sending requests here.
+/// sending requests here. A builtin plugin whose breaker is open makes the status `degraded`
+/// (still 200: the other tenants are served); only builtin names are shown, since `/health`
+/// needs no key.
 async fn health(State(s): State<Shared>) -> Response {
     let stats = &s.engine.stats;
     let alive = s.engine.is_running();
+    let disabled = s.disabled_plugins();
+    let mut builtins: Vec<&str> =
+        disabled.iter().filter(|d| d.2 == tenants::PluginOrigin::Builtin).map(|d| d.1.as_str()).collect();
+    builtins.sort_unstable();
+    builtins.dedup();
+    let status = match (alive, builtins.is_empty()) {
+        (false, _) => "engine stopped",
+        (true, false) => "degraded",
+        (true, true) => "ok",
+    };
     let body = json!({
-        "status": if alive { "ok" } else { "engine stopped" },
+        "status": status,
         "model": s.model_name,
         "waiting": stats.waiting.load(std::sync::atomic::Ordering::Relaxed),
         "running": stats.running_seqs.load(std::sync::atomic::Ordering::Relaxed),
+        "disabled_plugins": disabled.len(),
+        "disabled_builtins": builtins,
     });
-    let status = if alive { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, axum::Json(body)).into_response()
+    let code = if alive { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, axum::Json(body)).into_response()
 }
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
@@ -228,15 +313,20 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-async fn metrics_text(State(s): State<Shared>) -> Response {
-    let text = s.metrics.render(&s.engine.stats, &s.tenants);
+async fn metrics_text(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if s.operator.metrics_require_key && !s.is_operator(&headers) {
+        return ApiError::unauthorized("/metrics needs an operator key").into_response();
+    }
+    let text = s.metrics.render(&s.engine.stats, &s.tenants, s.operator.metrics_plugin_names);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
-/// Serves until SIGTERM / Ctrl-C, then lets running streams finish (up to `grace`).
+/// Serves until SIGTERM / Ctrl-C, then lets running streams finish (up to `grace`; connections
+/// still open after that are closed, so a stuck client cannot keep the process alive).
 pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Duration) -> Result<(), ServeError> {
     let addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("listener: {e}")))?;
     let engine = state.engine.clone();
+    let http = state.http.clone();
     let app = router(state);
     tracing::info!("listening on http://{addr}");
     let shutdown = async move {
@@ -264,8 +354,6 @@ pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Dura
         let e = engine.clone();
         tokio::task::spawn_blocking(move || e.shutdown(grace));
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| ServeError::Setup(format!("server: {e}")))
+    listener::serve(listener, app, http, shutdown, grace).await;
+    Ok(())
 }

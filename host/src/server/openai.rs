@@ -173,60 +173,19 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
         }
     };
 
-    let mut s = Map::new();
-    let mut put = |k: &str, v: Option<f64>| {
-        if let Some(v) = v {
-            s.insert(k.to_string(), json!(v));
-        }
-    };
-    put("temperature", number(body, "temperature", 0.0, 2.0)?);
-    let top_p = number(body, "top_p", 0.0, 1.0)?;
-    if top_p == Some(0.0) {
-        return Err(ApiError::param("top_p", "top_p must be in (0, 1]"));
-    }
-    put("top_p", top_p);
-    put("top_k", integer(body, "top_k", -1, i64::from(u32::MAX))?.map(|v| v as f64));
-    put("min_p", number(body, "min_p", 0.0, 1.0)?);
-    put("presence_penalty", number(body, "presence_penalty", -2.0, 2.0)?);
-    put("frequency_penalty", number(body, "frequency_penalty", -2.0, 2.0)?);
-    let rep = number(body, "repetition_penalty", 0.0, 10.0)?;
-    if rep == Some(0.0) {
-        return Err(ApiError::param("repetition_penalty", "repetition_penalty must be > 0"));
-    }
-    put("repetition_penalty", rep);
-    match body.get("logit_bias") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) => {
-            for (k, v) in o {
-                let id: u32 = k
-                    .parse()
-                    .map_err(|_| ApiError::param("logit_bias", format!("logit_bias key `{k}` is not a token id")))?;
-                if id >= vocab {
-                    return Err(ApiError::param(
-                        "logit_bias",
-                        format!("logit_bias token {id} is outside the vocabulary"),
-                    ));
-                }
-                match v.as_f64() {
-                    Some(b) if (-100.0..=100.0).contains(&b) => {}
-                    _ => {
-                        return Err(ApiError::param(
-                            "logit_bias",
-                            format!("logit_bias values are numbers in [-100, 100], got {v}"),
-                        ));
-                    }
-                }
-            }
-            s.insert("logit_bias".into(), Value::Object(o.clone()));
-        }
-        Some(other) => return Err(ApiError::param("logit_bias", format!("logit_bias must be an object, got {other}"))),
-    }
-
-    // Extension: parameters for a tenant's own sampler (e.g. `typical_p`), passed through as given.
+    let mut s = sampling(body, vocab)?;
+    // Extension: parameters for a tenant's own sampler (e.g. `typical_p`), passed through as given;
+    // the standard fields among them get the same checks as at the top level (which wins).
     match body.get("sampler_params") {
         None | Some(Value::Null) => {}
         Some(Value::Object(o)) => {
+            let checked = sampling(o, vocab).map_err(|e| ApiError {
+                param: Some(format!("sampler_params.{}", e.param.as_deref().unwrap_or(""))),
+                message: format!("sampler_params: {}", e.message),
+                ..e
+            })?;
             for (k, v) in o {
+                let v = checked.get(k).unwrap_or(v);
                 s.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
@@ -273,6 +232,63 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
         template,
         grammar,
     })
+}
+
+/// The standard sampling fields of `body`, checked, as the sampler receives them (OpenAI names;
+/// `top_k` an integer).
+fn sampling(body: &Map<String, Value>, vocab: u32) -> Result<Map<String, Value>, ApiError> {
+    let mut s = Map::new();
+    let put = |s: &mut Map<String, Value>, k: &str, v: Option<f64>| {
+        if let Some(v) = v {
+            s.insert(k.to_string(), json!(v));
+        }
+    };
+    put(&mut s, "temperature", number(body, "temperature", 0.0, 2.0)?);
+    let top_p = number(body, "top_p", 0.0, 1.0)?;
+    if top_p == Some(0.0) {
+        return Err(ApiError::param("top_p", "top_p must be in (0, 1]"));
+    }
+    put(&mut s, "top_p", top_p);
+    if let Some(k) = integer(body, "top_k", -1, i64::from(u32::MAX))? {
+        s.insert("top_k".into(), json!(k));
+    }
+    put(&mut s, "min_p", number(body, "min_p", 0.0, 1.0)?);
+    put(&mut s, "presence_penalty", number(body, "presence_penalty", -2.0, 2.0)?);
+    put(&mut s, "frequency_penalty", number(body, "frequency_penalty", -2.0, 2.0)?);
+    let rep = number(body, "repetition_penalty", 0.0, 10.0)?;
+    if rep == Some(0.0) {
+        return Err(ApiError::param("repetition_penalty", "repetition_penalty must be > 0"));
+    }
+    put(&mut s, "repetition_penalty", rep);
+    match body.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                let id: u32 = k
+                    .parse()
+                    .map_err(|_| ApiError::param("logit_bias", format!("logit_bias key `{k}` is not a token id")))?;
+                if id >= vocab {
+                    return Err(ApiError::param(
+                        "logit_bias",
+                        format!("logit_bias token {id} is outside the vocabulary"),
+                    ));
+                }
+                match v.as_f64() {
+                    Some(b) if (-100.0..=100.0).contains(&b) => {}
+                    _ => {
+                        return Err(ApiError::param(
+                            "logit_bias",
+                            format!("logit_bias values are numbers in [-100, 100], got {v}"),
+                        ));
+                    }
+                }
+            }
+            s.insert("logit_bias".into(), Value::Object(o.clone()));
+        }
+        Some(other) => return Err(ApiError::param("logit_bias", format!("logit_bias must be an object, got {other}"))),
+    }
+
+    Ok(s)
 }
 
 /// A new id with a prefix (`chatcmpl-`, `cmpl-`, `call_`).
@@ -328,5 +344,34 @@ mod tests {
         .expect("valid");
         assert_eq!((p.max_tokens, p.logprobs, p.seed, p.stop.len()), (Some(5), Some(2), Some(7), 1));
         assert_eq!(p.sampling_json, r#"{"temperature":0.0}"#);
+    }
+
+    #[test]
+    fn top_k_reaches_the_sampler_as_an_integer() {
+        let p = gen_params(&obj(json!({"model": "m", "top_k": 40})), 8, 512).expect("valid");
+        assert_eq!(p.sampling_json, r#"{"top_k":40}"#);
+    }
+
+    #[test]
+    fn sampler_params_get_the_named_fields_checks() {
+        for (k, v) in [
+            ("temperature", json!(1e9)),
+            ("top_p", json!(0)),
+            ("top_k", json!(1.5)),
+            ("logit_bias", json!({"9999": 1})),
+        ] {
+            let body = obj(json!({"model": "m", "sampler_params": {k: v}}));
+            let e = gen_params(&body, 8, 512).expect_err(k);
+            assert_eq!(e.param.as_deref(), Some(format!("sampler_params.{k}").as_str()), "{}", e.message);
+        }
+        // Unknown keys pass through; the named field wins over a sampler_params duplicate.
+        let p = gen_params(
+            &obj(json!({"model": "m", "temperature": 0.5, "sampler_params": {"temperature": 1.0, "typical_p": 0.3}})),
+            8,
+            512,
+        )
+        .expect("valid");
+        let v: Value = serde_json::from_str(&p.sampling_json).expect("json");
+        assert_eq!(v, json!({"temperature": 0.5, "typical_p": 0.3}));
     }
 }

@@ -42,12 +42,33 @@ impl LoadedPlugin {
     }
 }
 
+/// Where a tenant's plugin came from: only uploads are the tenant's to replace or delete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PluginOrigin {
+    /// Compiled into this binary (`builtin:<name>`).
+    Builtin,
+    /// Named by the operator's config file (a component path).
+    Configured,
+    /// Uploaded by the tenant through `/v1/plugins`.
+    Upload,
+}
+
+impl PluginOrigin {
+    pub fn name(self) -> &'static str {
+        match self {
+            PluginOrigin::Builtin => "builtin",
+            PluginOrigin::Configured => "configured",
+            PluginOrigin::Upload => "upload",
+        }
+    }
+}
+
 /// One entry of a tenant's plugin list.
 #[derive(Clone)]
 pub struct PluginEntry {
     pub name: String,
     pub sha256: String,
-    pub builtin: bool,
+    pub origin: PluginOrigin,
     pub plugin: LoadedPlugin,
     /// Call counts, time and failures (read by `/metrics` without taking the plugin's lock).
     pub health: Arc<PluginHealth>,
@@ -69,6 +90,18 @@ pub struct Tenant {
     pub in_flight: AtomicUsize,
     pub thinking_budgets: Vec<EffortBudget>,
     pub allow_uploads: bool,
+}
+
+/// Why a change to a tenant's plugin list was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginListError {
+    #[error("{0}")]
+    NotFound(String),
+    /// The name belongs to a builtin or configured plugin.
+    #[error("{0}")]
+    Reserved(String),
+    #[error("{0}")]
+    Full(String),
 }
 
 /// Most plugins one tenant may upload.
@@ -122,7 +155,9 @@ impl Tenant {
             if plugins.contains_key(&name) {
                 return Ok(name);
             }
-            let compiled = runtime.load(&name, &bytes).map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let builtin = reference.starts_with("builtin:");
+            let mut compiled = runtime.load(&name, &bytes).map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            compiled.trusted = builtin;
             if compiled.kind != want {
                 return Err(format!(
                     "tenant `{}`: `{reference}` is a {} plugin, not a {}",
@@ -133,11 +168,11 @@ impl Tenant {
             }
             let plugin = instantiate(runtime, &compiled, env, &services, &c.name)
                 .map_err(|e| format!("tenant `{}`: {e}", c.name))?;
-            let builtin = reference.starts_with("builtin:");
+            let origin = if builtin { PluginOrigin::Builtin } else { PluginOrigin::Configured };
             let health = plugin.health();
             plugins.insert(
                 name.clone(),
-                PluginEntry { name: name.clone(), sha256: compiled.sha256.clone(), builtin, plugin, health },
+                PluginEntry { name: name.clone(), sha256: compiled.sha256.clone(), origin, plugin, health },
             );
             Ok(name)
         };
@@ -194,36 +229,42 @@ impl Tenant {
         self.plugins.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
     }
 
-    /// Adds an uploaded plugin (replacing an earlier upload of the same name).
-    pub fn add_upload(&self, entry: PluginEntry) -> Result<(), String> {
+    /// Adds an uploaded plugin (replacing an earlier upload of the same name). Builtin and
+    /// operator-configured plugins can be neither replaced nor shadowed.
+    pub fn add_upload(&self, entry: PluginEntry) -> Result<(), PluginListError> {
         let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
         if entry.name.starts_with("builtin:") {
-            return Err("names starting with `builtin:` are reserved".into());
+            return Err(PluginListError::Reserved("names starting with `builtin:` are reserved".into()));
         }
-        let uploads = plugins.values().filter(|p| !p.builtin).count();
+        let shadowed = plugins.get(&entry.name).or_else(|| plugins.get(&format!("builtin:{}", entry.name)));
+        if let Some(p) = shadowed.filter(|p| p.origin != PluginOrigin::Upload) {
+            return Err(PluginListError::Reserved(format!(
+                "`{}` is a {} plugin of this tenant; choose another name",
+                entry.name,
+                p.origin.name()
+            )));
+        }
+        let uploads = plugins.values().filter(|p| p.origin == PluginOrigin::Upload).count();
         if !plugins.contains_key(&entry.name) && uploads >= MAX_UPLOADS {
-            return Err(format!("a tenant may upload at most {MAX_UPLOADS} plugins"));
-        }
-        if [&self.default_template, &self.default_sampler].contains(&&entry.name)
-            || self.default_grammar.as_ref() == Some(&entry.name)
-            || self.policies.iter().any(|p| p.0 == entry.name)
-        {
-            return Err(format!("`{}` is one of this tenant's configured plugins; choose another name", entry.name));
+            return Err(PluginListError::Full(format!("a tenant may upload at most {MAX_UPLOADS} plugins")));
         }
         plugins.insert(entry.name.clone(), entry);
         Ok(())
     }
 
     /// Removes an upload; builtins and configured plugins stay.
-    pub fn remove_upload(&self, name: &str) -> Result<(), String> {
+    pub fn remove_upload(&self, name: &str) -> Result<(), PluginListError> {
         let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
         match plugins.get(name) {
-            Some(p) if !p.builtin => {
+            Some(p) if p.origin == PluginOrigin::Upload => {
                 plugins.remove(name);
                 Ok(())
             }
-            Some(_) => Err(format!("`{name}` is a builtin plugin")),
-            None => Err(format!("no plugin named `{name}`")),
+            Some(p) => Err(PluginListError::Reserved(format!(
+                "`{name}` is a {} plugin: only the operator's configuration can remove it",
+                p.origin.name()
+            ))),
+            None => Err(PluginListError::NotFound(format!("no plugin named `{name}`"))),
         }
     }
 
