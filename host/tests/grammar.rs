@@ -110,3 +110,26 @@ fn forced_tokens_that_end_inside_a_character_spell_the_forced_bytes() {
     let text = walk(&tok, &g, &c, 7);
     assert!(text == "你x" || text == "佬x", "{text:?}");
 }
+
+/// A plugin-made constraint with 20,000 properties (2.5× the count that overflowed a 2 MiB
+/// worker stack and killed the server inside llguidance's JSON compiler) compiles on the
+/// engine's own compile stack; the test thread has the default stack.
+#[test]
+fn huge_schemas_compile_without_overflowing_the_callers_stack() {
+    let (_tok, g) = engine();
+    let props: serde_json::Map<String, serde_json::Value> =
+        (0..20_000).map(|i| (format!("p{i}"), serde_json::json!({"type": "string", "pattern": "a+"}))).collect();
+    let keys: Vec<&String> = props.keys().collect();
+    let schema = serde_json::json!({"type": "object", "properties": props, "required": keys});
+    let c = Constraint::JsonSchema(schema.to_string());
+    let r = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || g.matcher(&c).map(|mut m| m.mask().map(|mask| mask.num_set())).err().map(|e| e.to_string()))
+        .expect("spawn")
+        .join()
+        .expect("no panic");
+    // Compiling or refusing (llguidance's own size limits) are both fine; crashing is not.
+    if let Some(e) = r {
+        assert!(e.contains("invalid constraint") || e.contains("grammar engine"), "{e}");
+    }
+}

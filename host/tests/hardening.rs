@@ -1,0 +1,255 @@
+//! Regression tests for single requests and connections that used to crash the server, disable a
+//! tenant or leak across tenants (issue: hardening). One `kimi-host serve` on a tiny K3.1
+//! checkpoint, driven over raw loopback sockets.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::server::config::key_hash;
+use serde_json::{Value, json};
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
+}
+
+/// Sends raw bytes, reads until the server closes (or `wait` passes); returns what came back.
+fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else { return String::new() };
+    let _ = s.set_read_timeout(Some(wait));
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// (status, JSON body) of one request.
+fn request(addr: SocketAddr, method: &str, path: &str, key: Option<&str>, body: Option<&Value>) -> (u16, Value) {
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let text = raw(addr, req.as_bytes(), Duration::from_secs(120));
+    parse(&text)
+}
+
+fn parse(text: &str) -> (u16, Value) {
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+fn start(dir: &Path, extra: &str) -> (Server, SocketAddr) {
+    let model = dir.join("model");
+    if !model.exists() {
+        make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+    }
+    // A policy named by path (operator-configured, not a builtin).
+    let policy = dir.join("limits.wasm");
+    std::fs::write(&policy, kimi_host::plugins::builtin::builtin("policy-limits").expect("builtin")).expect("write");
+    let addr = free_port();
+    let config = dir.join(format!("serve-{}.toml", addr.port()));
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"{addr}\"\nmodel = \"{}\"\nmodel_name = \"tiny\"\nplugin_cache = \"{}\"\n\
+             [limits]\nmax_context = 4096\n{extra}\n\
+             [operator]\napi_key_sha256 = [\"{}\"]\nmetrics_require_key = true\n\
+             [[tenants]]\nname = \"local\"\nanonymous = true\n\
+             [[tenants.plugins.policies]]\nplugin = \"{}\"\nconfig = {{ requests_per_minute = 100000 }}\n\
+             [[tenants]]\nname = \"other\"\napi_key_sha256 = [\"{}\"]\n",
+            model.display(),
+            dir.join("cache").display(),
+            key_hash("operator-key"),
+            policy.display(),
+            key_hash("other-key"),
+        ),
+    )
+    .expect("config");
+    let log = std::fs::File::create(dir.join(format!("serve-{}.log", addr.port()))).expect("log");
+    let child = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let server = Server(child);
+    let t = Instant::now();
+    while request(addr, "GET", "/health", None, None).0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(120), "server did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (server, addr)
+}
+
+fn chat(extra: Value) -> Value {
+    let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    for (k, v) in extra.as_object().expect("object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+fn assert_serving(addr: SocketAddr, what: &str) {
+    let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&chat(json!({}))));
+    assert_eq!(status, 200, "{what}: the server no longer serves: {v}");
+}
+
+#[test]
+fn single_requests_cannot_crash_the_server_or_disable_a_tenant() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_server, addr) = start(dir.path(), "");
+
+    // A schema with 8,000 required properties overflowed a worker's stack and killed the process.
+    let props: serde_json::Map<String, Value> = (0..8000).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+    let keys: Vec<&String> = props.keys().collect();
+    let schema = json!({"type": "object", "properties": props, "required": keys});
+    let body = chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}));
+    let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&body));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+    assert_serving(addr, "after the 8,000-property schema");
+
+    // 250,000 tiny parts made the builtin template trap; three such requests disabled the tenant.
+    let parts = vec![json!({"type": "text", "text": "a"}); 250_000];
+    for _ in 0..4 {
+        let body = json!({"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 2});
+        let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&body));
+        assert_eq!(status, 400, "{v}");
+    }
+    assert_serving(addr, "after four oversized requests");
+    let (_, h) = request(addr, "GET", "/health", None, None);
+    assert_eq!(h["status"], "ok", "{h}");
+
+    // `top_k` reached the sampler as a float and was always refused.
+    let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&chat(json!({"top_k": 40}))));
+    assert_eq!(status, 200, "{v}");
+    // sampler_params bypassed the named fields' range checks.
+    let (status, v) =
+        request(addr, "POST", "/v1/chat/completions", None, Some(&chat(json!({"sampler_params": {"temperature": 1e9}}))));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("sampler_params.temperature")), "{v}");
+
+    // A tenant could delete the policy the operator configured by path.
+    let (status, v) = request(addr, "DELETE", "/v1/plugins/limits", None, None);
+    assert_eq!(status, 403, "{v}");
+    let (_, list) = request(addr, "GET", "/v1/plugins", None, None);
+    assert!(list["data"].as_array().expect("list").iter().any(|p| p["name"] == "limits"), "{list}");
+
+    // Errors outside the handlers had empty or plain-text bodies.
+    let (status, v) = request(addr, "GET", "/v1/chat/completions", None, None);
+    assert_eq!((status, v["error"]["type"].as_str()), (405, Some("invalid_request_error")), "{v}");
+    for (bytes, want) in [
+        (b"GARBAGE\r\n\r\n".to_vec(), 400),
+        (format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000)).into_bytes(), 414),
+        (
+            format!(
+                "GET /health HTTP/1.1\r\nHost: x\r\n{}\r\n",
+                (0..200).map(|i| format!("X-{i}: y\r\n")).collect::<String>()
+            )
+            .into_bytes(),
+            431,
+        ),
+    ] {
+        let (status, v) = parse(&raw(addr, &bytes, Duration::from_secs(10)));
+        assert_eq!(status, want, "{v}");
+        assert!(v["error"]["message"].is_string(), "status {want} without an OpenAI error body: {v}");
+    }
+
+    // /metrics: an operator key when configured; uploaded plugin names never shown by default.
+    assert_eq!(request(addr, "GET", "/metrics", None, None).0, 401);
+    let upload = json!({"kind": "policy", "name": "secret-policy-name",
+        "component": base64_of(kimi_host::plugins::builtin::builtin("policy-limits").expect("builtin"))});
+    let (status, v) = request(addr, "POST", "/v1/plugins", Some("other-key"), Some(&upload));
+    assert_eq!(status, 201, "{v}");
+    let metrics = raw(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    );
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(!metrics.contains("secret-policy-name") && !metrics.contains("plugin=\"limits\""), "{metrics}");
+    assert!(metrics.contains("plugin=\"builtin:sampler-standard\""), "{metrics}");
+
+    // The operator's breaker reset answers for a known plugin and needs the operator key.
+    let reset = "/admin/tenants/local/plugins/builtin:template-kimi-k3/reset";
+    assert_eq!(request(addr, "POST", reset, None, None).0, 401);
+    assert_eq!(request(addr, "POST", reset, Some("operator-key"), None).0, 200);
+}
+
+fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+#[test]
+fn slow_and_idle_connections_cannot_starve_clients_or_block_shutdown() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut server, addr) = start(
+        dir.path(),
+        "[http]\nmax_connections = 40\nmax_connections_per_ip = 30\nheader_timeout_ms = 3000\n\
+         [engine]\nshutdown_grace_s = 2\n",
+    );
+    // 25 slow-header and idle connections: a normal request still completes promptly.
+    let mut held = Vec::new();
+    for i in 0..25 {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        if i % 2 == 0 {
+            s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n").expect("partial headers");
+        }
+        held.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    assert_serving(addr, "with 25 slow connections open");
+    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    // Above the per-address cap, new connections are refused cleanly (503, JSON, closed).
+    for _ in 0..5 {
+        held.push(TcpStream::connect(addr).expect("connect"));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, v) = parse(&raw(addr, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", Duration::from_secs(5)));
+    assert_eq!((status, v["error"]["code"].as_str()), (503, Some("too_many_connections")), "{v}");
+    // The header deadline closes the slow ones; then requests get in again.
+    std::thread::sleep(Duration::from_millis(3500));
+    let mut closed = 0;
+    for s in &mut held {
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut b = [0u8; 64];
+        if matches!(s.read(&mut b), Ok(0) | Ok(_)) {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, held.len(), "connections past their header deadline stay open");
+    assert_serving(addr, "after the header deadline");
+
+    // SIGTERM with a connection stuck in its headers: the process still exits within the grace.
+    let mut stuck = TcpStream::connect(addr).expect("connect");
+    stuck.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").expect("partial");
+    common::run(Command::new("kill").args(["-TERM", &server.0.id().to_string()]));
+    let t = Instant::now();
+    loop {
+        if server.0.try_wait().expect("wait").is_some() {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "server still running after SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
