@@ -64,7 +64,7 @@ fn hostile_components_fail_only_their_request() {
     let took = t.elapsed();
     assert!(matches!(r, Err(PluginError::Timeout { .. })), "{r:?}");
     assert!(took < deadline * 10, "loop trapped after {took:?} (deadline {deadline:?})");
-    ts.observe(&r);
+    let _ = ts.judge(r);
     let inst = ts.instance().expect("fresh instance after the trap");
     let ok = inst.create_sequence(&req("acme"), "ok", 1).expect("seq");
     assert_eq!(inst.sample(&[(&ok, &row)], None).expect("call")[0].as_ref().expect("token"), &argmax);
@@ -111,7 +111,7 @@ fn repeated_failures_disable_the_plugin_for_that_tenant() {
         let inst = a.instance().expect("instance");
         let seq = inst.create_sequence(&req("a"), "panic", 1).expect("seq");
         let r = inst.sample(&[(&seq, &row)], None);
-        a.observe(&r);
+        let _ = a.judge(r);
     }
     assert!(matches!(a.instance(), Err(PluginError::Disabled { .. })));
     assert!(a.health.traps.load(std::sync::atomic::Ordering::Relaxed) >= 3);
