@@ -120,10 +120,12 @@ fn single_requests_cannot_crash_the_server_or_disable_a_tenant() {
     let (_server, addr) = start(dir.path(), "");
 
     // A schema with 8,000 required properties overflowed a worker's stack and killed the process.
-    let props: serde_json::Map<String, Value> = (0..8000).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+    let props: serde_json::Map<String, Value> =
+        (0..8000).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
     let keys: Vec<&String> = props.keys().collect();
     let schema = json!({"type": "object", "properties": props, "required": keys});
-    let body = chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}));
+    let body =
+        chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}));
     let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&body));
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
     assert_serving(addr, "after the 8,000-property schema");
@@ -143,8 +145,13 @@ fn single_requests_cannot_crash_the_server_or_disable_a_tenant() {
     let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&chat(json!({"top_k": 40}))));
     assert_eq!(status, 200, "{v}");
     // sampler_params bypassed the named fields' range checks.
-    let (status, v) =
-        request(addr, "POST", "/v1/chat/completions", None, Some(&chat(json!({"sampler_params": {"temperature": 1e9}}))));
+    let (status, v) = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        None,
+        Some(&chat(json!({"sampler_params": {"temperature": 1e9}}))),
+    );
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("sampler_params.temperature")), "{v}");
 
     // A tenant could delete the policy the operator configured by path.
