@@ -239,8 +239,9 @@ fn slow_and_idle_connections_cannot_starve_clients_or_block_shutdown() {
     let mut closed = 0;
     for s in &mut held {
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        // EOF or the server's last bytes before closing; a read timeout means still open.
         let mut b = [0u8; 64];
-        if matches!(s.read(&mut b), Ok(0) | Ok(_)) {
+        if s.read(&mut b).is_ok() {
             closed += 1;
         }
     }
