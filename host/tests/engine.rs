@@ -189,3 +189,80 @@ fn a_full_pool_refuses_after_the_queue_timeout() {
     assert_eq!(drain(&mut h, 1).expect("runs")[0].0.len(), 4);
     engine.shutdown(Duration::from_secs(1));
 }
+
+/// A panic inside a model call or the sampling pass (simulated through the engine's fault probe)
+/// fails only the requests that step touched, frees their state, is counted, and the engine goes
+/// on serving: the survivors' tokens still match the model alone.
+#[test]
+fn a_fault_inside_a_step_fails_only_its_requests() {
+    use kimi_host::engine::{FaultPoint, FaultProbe};
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    const POISON: u32 = 300; // a special id no other prompt here contains
+    let f = fixture();
+    let decode_fault = Arc::new(AtomicBool::new(false));
+    let sample_fault = Arc::new(AtomicBool::new(false));
+    let probe = {
+        let (decode_fault, sample_fault) = (decode_fault.clone(), sample_fault.clone());
+        FaultProbe(Arc::new(move |point, tokens: &[u32]| match point {
+            FaultPoint::Forward if tokens.contains(&POISON) => panic!("injected prefill fault"),
+            FaultPoint::Forward if tokens.len() == 1 && decode_fault.swap(false, Relaxed) => {
+                panic!("injected decode fault")
+            }
+            FaultPoint::Sample if sample_fault.swap(false, Relaxed) => panic!("injected sampling fault"),
+            _ => {}
+        }))
+    };
+    let cfg = EngineConfig { state_memory: 64 << 20, fault_probe: Some(probe), ..Default::default() };
+    let engine = Engine::start(f.model.clone(), cfg).expect("engine");
+    let greedy = r#"{"temperature": 0}"#;
+    let is_fault = |r: &Result<_, EngineError>| matches!(r, Err(EngineError::Fault(_)));
+
+    // 1. A prefill fault fails its own request; the one beside it is untouched.
+    let mut poisoned = prompts()[1].clone();
+    poisoned[3] = POISON;
+    let mut bad = engine.submit(request(&f, poisoned, 6, 2, greedy)).expect("submit");
+    let mut good = engine.submit(request(&f, prompts()[0].clone(), 6, 1, greedy)).expect("submit");
+    assert!(is_fault(&drain(&mut bad, 2)), "the poisoned prompt fails with Fault");
+    assert_eq!(drain(&mut good, 1).expect("survives")[0].0, reference(&f.model, &prompts()[0], 6));
+
+    // 2. A decode fault stops exactly one of two decoding sequences.
+    let mut hs: Vec<_> =
+        (2..4).map(|i| engine.submit(request(&f, prompts()[i].clone(), 8, 1, greedy)).expect("submit")).collect();
+    let mut firsts = Vec::new();
+    for h in &mut hs {
+        match h.events.blocking_recv() {
+            Some(SeqEvent::Token { id, .. }) => firsts.push(id),
+            other => panic!("expected a first token, got {other:?}"),
+        }
+    }
+    decode_fault.store(true, Relaxed);
+    let mut survivors = 0;
+    for (k, h) in hs.iter_mut().enumerate() {
+        let r = drain(h, 1);
+        if let Ok(out) = r {
+            survivors += 1;
+            let mut toks = vec![firsts[k]];
+            toks.extend(&out[0].0);
+            assert_eq!(toks, reference(&f.model, &prompts()[k + 2], 8), "a survivor's tokens are unchanged");
+        } else {
+            assert!(is_fault(&r), "the failed one reports the fault");
+        }
+    }
+    assert_eq!(survivors, 1, "one decode call panicked, one sequence failed");
+
+    // 3. A panic outside the model calls (the sampling pass) fails everything running, frees it,
+    //    and the next request is served normally.
+    let mut running = engine.submit(request(&f, prompts()[4].clone(), 10_000, 1, greedy)).expect("submit");
+    assert!(matches!(running.events.blocking_recv(), Some(SeqEvent::Token { .. })));
+    sample_fault.store(true, Relaxed);
+    assert!(is_fault(&drain(&mut running, 1)));
+    wait_idle(&engine);
+    let mut after = engine.submit(request(&f, prompts()[5].clone(), 5, 1, greedy)).expect("submit");
+    assert_eq!(drain(&mut after, 1).expect("served after the fault")[0].0, reference(&f.model, &prompts()[5], 5));
+    assert!(engine.is_running());
+    assert_eq!(engine.stats.faults.load(Relaxed), 3);
+    assert!(engine.stats.seconds_since_fault().is_some());
+    drop((bad, good, hs, running, after));
+    wait_idle(&engine);
+    engine.shutdown(Duration::from_secs(1));
+}

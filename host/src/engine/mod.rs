@@ -36,6 +36,28 @@ pub struct EngineConfig {
     pub queue_timeout: Duration,
     /// Most requests waiting for state; more are refused at once.
     pub max_waiting: usize,
+    /// Test hook: runs before every model call and every sampling pass and may panic, to
+    /// simulate a fault inside a kernel. Only code can set it (not the config file).
+    pub fault_probe: Option<FaultProbe>,
+}
+
+/// Where the engine calls its [`FaultProbe`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// Before a model forward over these tokens (a decode token or a prefill chunk).
+    Forward,
+    /// Before the step's masking and sampling pass (the tokens are empty).
+    Sample,
+}
+
+/// A function the engine calls at each [`FaultPoint`] (see `EngineConfig::fault_probe`).
+#[derive(Clone)]
+pub struct FaultProbe(pub Arc<dyn Fn(FaultPoint, &[u32]) + Send + Sync>);
+
+impl std::fmt::Debug for FaultProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FaultProbe")
+    }
 }
 
 impl Default for EngineConfig {
@@ -46,6 +68,7 @@ impl Default for EngineConfig {
             state_memory: 1 << 30,
             queue_timeout: Duration::from_secs(10),
             max_waiting: 256,
+            fault_probe: None,
         }
     }
 }
@@ -126,6 +149,10 @@ pub enum EngineError {
     Constraint(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A panic inside the engine step (a kernel bug or a broken invariant). The sequences the
+    /// step touched are stopped and their state freed; the engine keeps serving the others.
+    #[error("internal error in the engine step ({0}); this request was stopped, the server keeps serving")]
+    Fault(String),
 }
 
 impl EngineError {
@@ -151,6 +178,17 @@ pub struct EngineStats {
     pub decode_tokens: AtomicU64,
     pub cancelled: AtomicU64,
     pub pool_timeouts: AtomicU64,
+    /// Panics caught inside engine steps.
+    pub faults: AtomicU64,
+    /// When the last one happened, for `/health`.
+    pub last_fault: parking_lot::Mutex<Option<Instant>>,
+}
+
+impl EngineStats {
+    /// Seconds since the last caught fault, if any.
+    pub fn seconds_since_fault(&self) -> Option<f64> {
+        self.last_fault.lock().map(|t| t.elapsed().as_secs_f64())
+    }
 }
 
 /// The caller's side of a request: events, and cancellation of single sequences (dropping the

@@ -2,6 +2,7 @@
 //! per-step batched sampling.
 
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -11,7 +12,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::pool::{Reservation, StatePool};
 use super::{
-    Command, EngineConfig, EngineError, EngineStats, FinishReason, GenRequest, Pending, SeqEvent, TokenLogprob,
+    Command, EngineConfig, EngineError, EngineStats, FaultPoint, FinishReason, GenRequest, Pending, SeqEvent,
+    TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
 use crate::model::{LogitsFor, Model, SequenceState};
@@ -123,12 +125,46 @@ impl Worker {
                     return;
                 }
             }
-            self.reap();
-            self.admit();
-            if !self.running.is_empty() {
-                self.step();
+            // A panic anywhere in the step fails the requests it was running and frees their
+            // state; the engine goes on with the waiting ones.
+            let iteration = catch_unwind(AssertUnwindSafe(|| {
+                self.reap();
+                self.admit();
+                if !self.running.is_empty() {
+                    self.step();
+                }
+            }));
+            if let Err(payload) = iteration {
+                self.recover(panic_message(payload.as_ref()));
             }
             self.publish();
+        }
+    }
+
+    /// After a panic escaped the step: every running request fails with `Fault` and gives its
+    /// state back (their states may be half-written, so none is kept).
+    fn recover(&mut self, message: String) {
+        self.note_fault(&message);
+        for r in std::mem::take(&mut self.running) {
+            let _ = r.tx.send(SeqEvent::Failed { index: None, error: EngineError::Fault(message.clone()) });
+            let reservation = r.reservation;
+            // Freeing calls the sampler plugin; if even that panics, the pool still gets its
+            // reservation back.
+            if catch_unwind(AssertUnwindSafe(|| self.free(r))).is_err() {
+                self.pool.release(reservation);
+            }
+        }
+    }
+
+    fn note_fault(&self, message: &str) {
+        self.stats.faults.fetch_add(1, Ordering::Relaxed);
+        *self.stats.last_fault.lock() = Some(Instant::now());
+        eprintln!("kimi-host: engine fault contained: {message}");
+    }
+
+    fn probe(&self, point: FaultPoint, tokens: &[u32]) {
+        if let Some(p) = &self.config.fault_probe {
+            (p.0)(point, tokens);
         }
     }
 
@@ -303,18 +339,24 @@ impl Worker {
                 }
             }
             self.stats.decode_tokens.fetch_add(work.len() as u64, Ordering::Relaxed);
-            let out: Vec<(usize, usize, Result<Vec<f32>, String>)> = work
+            let probe = &self.config.fault_probe;
+            let out: Vec<(usize, usize, Result<Vec<f32>, EngineError>)> = work
                 .into_par_iter()
                 .map(|(ri, s)| {
                     let t = s.next.unwrap_or(0);
-                    let r = model.forward(&[t], &mut s.state, LogitsFor::LastToken, None).map_err(|e| e.to_string());
+                    let r = contain(|| {
+                        if let Some(p) = probe {
+                            (p.0)(FaultPoint::Forward, &[t]);
+                        }
+                        model.forward(&[t], &mut s.state, LogitsFor::LastToken, None)
+                    });
                     (ri, s.index, r)
                 })
                 .collect();
             for (run, seq, r) in out {
                 match r {
                     Ok(logits) => rows.push(Row { run, seq, logits }),
-                    Err(e) => failures.push((run, Some(seq), EngineError::Model(e))),
+                    Err(e) => failures.push((run, Some(seq), e)),
                 }
             }
         }
@@ -324,7 +366,15 @@ impl Worker {
             let r = &mut self.running[ri];
             let chunk = &r.req.prompt[r.prefilled..r.prefilled + take];
             self.stats.prefill_tokens.fetch_add(take as u64, Ordering::Relaxed);
-            match model.forward(chunk, &mut r.seqs[0].state, LogitsFor::LastToken, None) {
+            let probe = &self.config.fault_probe;
+            let state = &mut r.seqs[0].state;
+            let out = contain(|| {
+                if let Some(p) = probe {
+                    (p.0)(FaultPoint::Forward, chunk);
+                }
+                model.forward(chunk, state, LogitsFor::LastToken, None)
+            });
+            match out {
                 Ok(logits) => {
                     r.prefilled += take;
                     if !r.in_prefill() {
@@ -339,7 +389,7 @@ impl Worker {
                         }
                     }
                 }
-                Err(e) => failures.push((ri, None, EngineError::Model(e.to_string()))),
+                Err(e) => failures.push((ri, None, e)),
             }
         }
 
@@ -350,6 +400,9 @@ impl Worker {
     }
 
     fn fail(&mut self, run: usize, seq: Option<usize>, error: EngineError) {
+        if let EngineError::Fault(m) = &error {
+            self.note_fault(m);
+        }
         let r = &mut self.running[run];
         match seq {
             Some(i) => {
@@ -368,6 +421,7 @@ impl Worker {
 
     /// Masks, samples (one plugin call per sampler per step), checks and emits.
     fn sample(&mut self, mut rows: Vec<Row>) {
+        self.probe(FaultPoint::Sample, &[]);
         rows.retain(|row| self.running.get(row.run).is_some_and(|r| !r.seqs[row.seq].done));
         // Constrained rows: disallowed tokens to −∞ before the sampler sees them. Masks are
         // computed for all constrained sequences in parallel (each owns its matcher).
@@ -548,5 +602,25 @@ impl Worker {
                 let _ = r.tx.send(SeqEvent::Finished { index: s.index, reason });
             }
         }
+    }
+}
+
+/// Runs one model call; a panic inside it (a kernel bug, a broken invariant) becomes this call's
+/// error, so only the sequences it touched fail.
+fn contain(f: impl FnOnce() -> Result<Vec<f32>, crate::model::ModelError>) -> Result<Vec<f32>, EngineError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| EngineError::Model(e.to_string())),
+        Err(payload) => Err(EngineError::Fault(panic_message(payload.as_ref()))),
+    }
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
     }
 }

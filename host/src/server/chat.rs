@@ -71,7 +71,7 @@ fn engine_error(e: EngineError) -> ApiError {
         EngineError::TooLarge { .. } | EngineError::Invalid(_) => ApiError::bad(e.to_string()),
         EngineError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string()),
         EngineError::Plugin(p) => plugin_error(p),
-        EngineError::Model(_) | EngineError::Constraint(_) => ApiError::internal(e.to_string()),
+        EngineError::Model(_) | EngineError::Constraint(_) | EngineError::Fault(_) => ApiError::internal(e.to_string()),
     }
 }
 

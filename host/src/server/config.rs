@@ -91,6 +91,7 @@ impl EngineSection {
             })?,
             queue_timeout: Duration::from_millis(self.queue_timeout_ms),
             max_waiting: self.max_waiting,
+            fault_probe: None,
         })
     }
 }

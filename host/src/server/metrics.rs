@@ -56,6 +56,7 @@ pub struct Metrics {
     decode_tokens: Counter,
     cancelled: Counter,
     pool_timeouts: Counter,
+    faults: Counter,
     plugin_calls: Family<PluginLabels, Counter>,
     plugin_seconds: Family<PluginLabels, Counter<f64, AtomicU64>>,
     plugin_traps: Family<PluginLabels, Counter>,
@@ -132,6 +133,7 @@ impl Metrics {
         let decode_tokens = c(&mut r, "engine_decode_tokens", "Decode tokens run through the model");
         let cancelled = c(&mut r, "engine_cancelled_requests", "Requests freed because the client left");
         let pool_timeouts = c(&mut r, "engine_pool_timeouts", "Requests refused after waiting for state");
+        let faults = c(&mut r, "engine_faults", "Panics caught inside engine steps (their requests failed)");
         let plugin_calls = Family::<PluginLabels, Counter>::default();
         r.register("plugin_calls", "Plugin calls", plugin_calls.clone());
         let plugin_seconds = Family::<PluginLabels, Counter<f64, AtomicU64>>::default();
@@ -165,6 +167,7 @@ impl Metrics {
             decode_tokens,
             cancelled,
             pool_timeouts,
+            faults,
             plugin_calls,
             plugin_seconds,
             plugin_traps,
@@ -215,6 +218,7 @@ impl Metrics {
         sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));
         sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));
         sync(&self.pool_timeouts, stats.pool_timeouts.load(Ordering::Relaxed));
+        sync(&self.faults, stats.faults.load(Ordering::Relaxed));
         let mut totals: std::collections::BTreeMap<(String, String, String), PluginTotals> = Default::default();
         for t in tenants {
             for p in t.list() {

@@ -277,6 +277,9 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
 /// sending requests here. A builtin plugin whose breaker is open makes the status `degraded`
 /// (still 200: the other tenants are served); only builtin names are shown, since `/health`
 /// needs no key.
+/// How long a contained engine fault keeps `/health` at `degraded`.
+const RECENT_FAULT_SECS: f64 = 60.0;
+
 async fn health(State(s): State<Shared>) -> Response {
     let stats = &s.engine.stats;
     let alive = s.engine.is_running();
@@ -285,7 +288,11 @@ async fn health(State(s): State<Shared>) -> Response {
         disabled.iter().filter(|d| d.2 == tenants::PluginOrigin::Builtin).map(|d| d.1.as_str()).collect();
     builtins.sort_unstable();
     builtins.dedup();
-    let status = match (alive, builtins.is_empty()) {
+    // A fault the engine contained in the last minute also makes the status `degraded`: the
+    // server still serves, but an operator should look at the log.
+    let since_fault = stats.seconds_since_fault();
+    let recent_fault = since_fault.is_some_and(|s| s < RECENT_FAULT_SECS);
+    let status = match (alive, builtins.is_empty() && !recent_fault) {
         (false, _) => "engine stopped",
         (true, false) => "degraded",
         (true, true) => "ok",
@@ -297,6 +304,8 @@ async fn health(State(s): State<Shared>) -> Response {
         "running": stats.running_seqs.load(std::sync::atomic::Ordering::Relaxed),
         "disabled_plugins": disabled.len(),
         "disabled_builtins": builtins,
+        "engine_faults": stats.faults.load(std::sync::atomic::Ordering::Relaxed),
+        "seconds_since_engine_fault": since_fault.map(|s| s.round()),
     });
     let code = if alive { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, axum::Json(body)).into_response()
