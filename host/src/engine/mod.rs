@@ -52,7 +52,10 @@ pub enum FaultPoint {
 
 /// A function the engine calls at each [`FaultPoint`] (see `EngineConfig::fault_probe`).
 #[derive(Clone)]
-pub struct FaultProbe(pub Arc<dyn Fn(FaultPoint, &[u32]) + Send + Sync>);
+pub struct FaultProbe(pub Arc<FaultFn>);
+
+/// The probe's signature: where the engine is, and the tokens it is about to run.
+pub type FaultFn = dyn Fn(FaultPoint, &[u32]) + Send + Sync;
 
 impl std::fmt::Debug for FaultProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
