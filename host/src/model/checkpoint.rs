@@ -139,6 +139,18 @@ impl Checkpoint {
             let mut files: Vec<String> = map.values().cloned().collect();
             files.sort();
             files.dedup();
+            // Shards are files beside the index: a name that is a path could reach any file the
+            // process can read.
+            for f in &files {
+                let mut parts = Path::new(f).components();
+                let plain = matches!(parts.next(), Some(std::path::Component::Normal(_))) && parts.next().is_none();
+                if !plain || f.contains(['/', '\\', '\0']) {
+                    return Err(ModelError::Header {
+                        path: index.display().to_string(),
+                        msg: format!("shard name {f:?} is not a file name in the checkpoint directory"),
+                    });
+                }
+            }
             let mut ck = Checkpoint { shards: Vec::new(), tensors: BTreeMap::new() };
             for f in &files {
                 ck.add_shard(&dir.join(f))?;
@@ -221,16 +233,22 @@ impl Checkpoint {
                 .filter(|v: &Vec<usize>| v.len() == 2 && v[0] <= v[1])
                 .ok_or_else(|| bad(format!("tensor `{name}` has no valid data_offsets")))?;
             let dtype = Dtype::parse(dtype);
-            let numel: usize = shape.iter().product();
-            if dtype != Dtype::Other && offs[1] - offs[0] != numel * dtype.size() {
+            // Checked: a hostile header's shape must not overflow the size arithmetic.
+            let nbytes = shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|n| n.checked_mul(dtype.size()))
+                .ok_or_else(|| bad(format!("tensor `{name}`: shape {shape:?} is too large")))?;
+            if dtype != Dtype::Other && offs[1] - offs[0] != nbytes {
                 return Err(bad(format!(
-                    "tensor `{name}`: shape {shape:?} of {} needs {} bytes but data_offsets span {}",
+                    "tensor `{name}`: shape {shape:?} of {} needs {nbytes} bytes but data_offsets span {}",
                     dtype.name(),
-                    numel * dtype.size(),
                     offs[1] - offs[0]
                 )));
             }
-            let (start, end) = (data_start + offs[0], data_start + offs[1]);
+            let (Some(start), Some(end)) = (data_start.checked_add(offs[0]), data_start.checked_add(offs[1])) else {
+                return Err(bad(format!("tensor `{name}`: data_offsets {offs:?} are too large")));
+            };
             if end > map.len() {
                 return Err(ModelError::Truncated { name, path: p.clone(), need: end as u64, have: map.len() as u64 });
             }

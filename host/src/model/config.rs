@@ -349,9 +349,40 @@ fn get_str<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a str,
 
 fn get_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<usize, ModelError> {
     let v = get(o, p, key)?;
-    v.as_u64()
-        .map(|n| n as usize)
-        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be a non-negative integer, found {v}")))
+    let n = v.as_u64().ok_or_else(|| {
+        ModelError::config(&format!("{p}{key}"), format!("must be a non-negative integer, found {v}"))
+    })?;
+    let cap = size_cap(key);
+    if n > cap {
+        return Err(ModelError::config(&format!("{p}{key}"), format!("{n} is larger than the supported {cap}")));
+    }
+    Ok(n as usize)
+}
+
+/// The largest value a key may take: far above any Kimi model, and low enough that products of
+/// sizes (weight shapes, per-sequence state over all layers) cannot overflow `usize`.
+fn size_cap(key: &str) -> u64 {
+    match key {
+        "num_hidden_layers" | "first_k_dense_replace" | "moe_layer_freq" => 1 << 10,
+        "num_heads"
+        | "head_dim"
+        | "num_attention_heads"
+        | "qk_nope_head_dim"
+        | "qk_rope_head_dim"
+        | "v_head_dim"
+        | "index_n_heads"
+        | "index_head_dim"
+        | "short_conv_kernel_size"
+        | "num_experts_per_token"
+        | "num_shared_experts"
+        | "num_expert_group" => 1 << 12,
+        "num_experts" => 1 << 14,
+        "vocab_size" => 1 << 22,
+        "max_position_embeddings" | "index_topk" => 1 << 32,
+        k if k.ends_with("token_id") => u32::MAX as u64,
+        // Hidden, intermediate and LoRA sizes, AttnRes block size.
+        _ => 1 << 18,
+    }
 }
 
 fn opt_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<usize>, ModelError> {

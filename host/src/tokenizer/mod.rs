@@ -57,6 +57,9 @@ pub struct Tokenizer {
     special_re: Option<regex::Regex>,
 }
 
+/// How far past the BPE ranks a special id may lie (K3 uses 256; the gap is allocated).
+const MAX_SPECIAL_SPAN: usize = 1 << 16;
+
 impl Tokenizer {
     /// Loads `<dir>/tiktoken.model` and the special table (`tokenizer_config.json` or K3 defaults).
     pub fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
@@ -68,6 +71,9 @@ impl Tokenizer {
         let mut map: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
         map.reserve(text.len() / 16);
         let mut decoder: Vec<Vec<u8>> = Vec::new();
+        // Ranks are dense, so none can reach the number of lines; checked before `resize` so a
+        // bogus rank is an error, not an allocation of its size.
+        let lines = text.lines().filter(|l| !l.is_empty()).count();
         for (i, line) in text.lines().enumerate() {
             let lineno = i + 1;
             if line.is_empty() {
@@ -77,6 +83,12 @@ impl Tokenizer {
                 line.split_once(' ').ok_or_else(|| bad(lineno, "expected `<base64> <rank>`".to_string()))?;
             let bytes = b64.decode(tok).map_err(|e| bad(lineno, format!("invalid base64 `{tok}`: {e}")))?;
             let rank: u32 = rank.trim().parse().map_err(|_| bad(lineno, format!("invalid rank `{rank}`")))?;
+            if rank as usize >= lines {
+                return Err(bad(
+                    lineno,
+                    format!("rank {rank} is not below the file's {lines} tokens (ranks are dense)"),
+                ));
+            }
             if rank as usize >= decoder.len() {
                 decoder.resize(rank as usize + 1, Vec::new());
             }
@@ -123,6 +135,13 @@ impl Tokenizer {
                     path: source.to_string(),
                     line: 0,
                     msg: format!("special `{name}` has id {id}, inside the BPE ranks (0..{base})"),
+                });
+            }
+            if idx >= base + MAX_SPECIAL_SPAN {
+                return Err(TokenizerError::Format {
+                    path: source.to_string(),
+                    line: 0,
+                    msg: format!("special `{name}` has id {id}, more than {MAX_SPECIAL_SPAN} past the BPE ranks"),
                 });
             }
             if idx >= decoder.len() {
