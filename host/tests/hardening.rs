@@ -57,6 +57,11 @@ fn parse(text: &str) -> (u16, Value) {
 }
 
 fn start(dir: &Path, extra: &str) -> (Server, SocketAddr) {
+    start_with(dir, extra, "")
+}
+
+/// `extra` goes into `[limits]`; `tenants` is appended after the two standard tenants.
+fn start_with(dir: &Path, extra: &str, tenants: &str) -> (Server, SocketAddr) {
     let model = dir.join("model");
     if !model.exists() {
         make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
@@ -74,7 +79,7 @@ fn start(dir: &Path, extra: &str) -> (Server, SocketAddr) {
              [operator]\napi_key_sha256 = [\"{}\"]\nmetrics_require_key = true\n\
              [[tenants]]\nname = \"local\"\nanonymous = true\n\
              [[tenants.plugins.policies]]\nplugin = \"{}\"\nconfig = {{ requests_per_minute = 100000 }}\n\
-             [[tenants]]\nname = \"other\"\napi_key_sha256 = [\"{}\"]\n",
+             [[tenants]]\nname = \"other\"\napi_key_sha256 = [\"{}\"]\n{tenants}",
             model.display(),
             dir.join("cache").display(),
             key_hash("operator-key"),
@@ -259,5 +264,84 @@ fn slow_and_idle_connections_cannot_starve_clients_or_block_shutdown() {
         }
         assert!(t.elapsed() < Duration::from_secs(15), "server still running after SIGTERM");
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Two replicas on one Redis enforce one tenant's rate limit together (each alone would admit
+/// its full burst); with Redis stopped, a fail-open tenant is admitted and a fail-closed one gets
+/// 429, and `/metrics` counts both.
+#[test]
+fn replicas_share_one_rate_limit_through_redis() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (bin, libs) = common::redis_server();
+    let port = free_port().port();
+    let mut cmd = Command::new(bin);
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .stdin(Stdio::null());
+    if let Some(l) = libs {
+        cmd.env("LD_LIBRARY_PATH", l);
+    }
+    let redis = Server(cmd.spawn().expect("start redis-server"));
+    let t = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(20), "redis-server did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    const RPM: u32 = 4;
+    let tenants = format!(
+        "[[tenants]]\nname = \"open\"\napi_key_sha256 = [\"{}\"]\nquota_store_failure = \"open\"\n\
+         [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\nconfig = {{ requests_per_minute = {RPM} }}\n\
+         [[tenants]]\nname = \"closed\"\napi_key_sha256 = [\"{}\"]\nquota_store_failure = \"closed\"\n\
+         [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\nconfig = {{ requests_per_minute = {RPM} }}\n",
+        key_hash("open-key"),
+        key_hash("closed-key"),
+    );
+    let limits = format!("store = \"redis://127.0.0.1:{port}/\"\nstore_prefix = \"test\"\nstore_timeout_ms = 300\n");
+    let replicas = [start_with(dir.path(), &limits, &tenants), start_with(dir.path(), &limits, &tenants)];
+    let post = |i: usize, key: &str| {
+        request(replicas[i].1, "POST", "/v1/chat/completions", Some(key), Some(&chat(json!({"max_tokens": 1}))))
+    };
+
+    let t0 = Instant::now();
+    let mut admitted = [0u32; 2];
+    for k in 0..10 {
+        let (status, v) = post(k % 2, "open-key");
+        match status {
+            200 => admitted[k % 2] += 1,
+            429 => {}
+            _ => panic!("unexpected {status}: {v}"),
+        }
+    }
+    // The budget over the run: the burst plus what refilled meanwhile (RPM per minute).
+    let budget = RPM + (t0.elapsed().as_secs_f64() * f64::from(RPM) / 60.0).ceil() as u32;
+    let total = admitted[0] + admitted[1];
+    assert!(total >= RPM && total <= budget, "admitted {admitted:?}, budget {budget}");
+    assert!(admitted.iter().all(|&a| a < RPM), "each replica refused before its own burst: {admitted:?}");
+    assert_eq!(post(0, "closed-key").0, 200, "the fail-closed tenant is served while Redis is up");
+
+    drop(redis);
+    let t = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        assert!(t.elapsed() < Duration::from_secs(10), "redis-server did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for i in 0..2 {
+        let (status, v) = post(i, "open-key");
+        assert_eq!(status, 200, "fail-open tenant, store down: {v}");
+        let (status, v) = post(i, "closed-key");
+        assert_eq!(status, 429, "fail-closed tenant, store down: {v}");
+    }
+    let metrics = raw(
+        replicas[0].1,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    );
+    for want in [
+        r#"kimi_quota_store_failures_total{tenant="open",outcome="allowed"} 1"#,
+        r#"kimi_quota_store_failures_total{tenant="closed",outcome="refused"} 1"#,
+    ] {
+        assert!(metrics.contains(want), "{want} missing from /metrics");
     }
 }

@@ -2,6 +2,7 @@
 //! `metrics`, `tokenizer`, `logits`, `grammar-engine`, `kv`, `rate-limit` and `clock`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -11,6 +12,7 @@ use wasmtime::{ResourceLimiter, StoreLimits};
 use super::bindings::host::kimi::host::{
     clock, grammar_engine, kv, log, logits, metrics, rate_limit, tokenizer, types,
 };
+use super::quota::{LocalQuotas, QuotaStore};
 use crate::grammar::GrammarEngine;
 use crate::tokenizer::Tokenizer;
 
@@ -37,11 +39,37 @@ impl PluginEnv {
 }
 
 /// Host services scoped to one tenant (plugins of other tenants never reach them).
-#[derive(Default)]
 pub struct TenantServices {
     kv: Mutex<HashMap<String, KvEntry>>,
-    buckets: Mutex<HashMap<String, Bucket>>,
+    /// Rate-limit buckets: this process's, or shared with other replicas (Redis).
+    quotas: Arc<dyn QuotaStore>,
+    /// The tenant's name: its buckets' scope in the store.
+    scope: String,
+    on_store_failure: QuotaFailure,
+    /// Store failures by outcome, for `/metrics`.
+    pub store_failures_allowed: AtomicU64,
+    pub store_failures_refused: AtomicU64,
     pub metrics: Mutex<HashMap<String, f64>>,
+}
+
+/// What a tenant's rate limits do while the shared quota store cannot answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuotaFailure {
+    /// Admit (availability first; the replica's own caps still hold).
+    #[default]
+    Open,
+    /// Refuse with 429 until the store is back (budgets first).
+    Closed,
+}
+
+/// How soon a client refused because the store is down should retry.
+const STORE_DOWN_RETRY_MS: u64 = 1000;
+
+impl Default for TenantServices {
+    fn default() -> Self {
+        TenantServices::new("", Arc::new(LocalQuotas::default()), QuotaFailure::Open)
+    }
 }
 
 struct KvEntry {
@@ -50,16 +78,28 @@ struct KvEntry {
     expires: Option<Instant>,
 }
 
-struct Bucket {
-    tokens: f64,
-    last: Instant,
-}
-
 /// Most keys a tenant may keep, and the largest value.
 const KV_MAX_KEYS: usize = 10_000;
 const KV_MAX_VALUE: usize = 64 << 10;
 
 impl TenantServices {
+    pub fn new(tenant: &str, quotas: Arc<dyn QuotaStore>, on_store_failure: QuotaFailure) -> TenantServices {
+        TenantServices {
+            kv: Mutex::new(HashMap::new()),
+            quotas,
+            scope: tenant.to_string(),
+            on_store_failure,
+            store_failures_allowed: AtomicU64::new(0),
+            store_failures_refused: AtomicU64::new(0),
+            metrics: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `memory` or `redis`.
+    pub fn quota_store(&self) -> &'static str {
+        self.quotas.kind()
+    }
+
     pub fn kv_get(&self, key: &str) -> Option<(Vec<u8>, u64)> {
         let mut m = self.kv.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
@@ -90,32 +130,30 @@ impl TenantServices {
         true
     }
 
-    /// Token bucket: Ok, or milliseconds until `amount` is available.
+    /// Token bucket: Ok, or milliseconds until `amount` is available. While the store cannot
+    /// answer, the tenant's failure policy decides (and the failure is counted).
     pub fn try_acquire(&self, name: &str, amount: u32, per_second: f64, burst: u32) -> Result<(), u64> {
-        let mut m = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let b = m.entry(name.to_string()).or_insert(Bucket { tokens: burst as f64, last: now });
-        let rate = per_second.max(0.0);
-        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(burst as f64);
-        b.last = now;
-        let want = amount as f64;
-        if want > burst as f64 {
-            return Err(u64::MAX);
-        }
-        if b.tokens >= want {
-            b.tokens -= want;
-            Ok(())
-        } else if rate > 0.0 {
-            Err(((want - b.tokens) / rate * 1000.0).ceil() as u64)
-        } else {
-            Err(u64::MAX)
+        match self.quotas.try_acquire(&self.scope, name, amount, per_second, burst) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(tenant = %self.scope, error = %e, policy = ?self.on_store_failure, "quota store failed");
+                match self.on_store_failure {
+                    QuotaFailure::Open => {
+                        self.store_failures_allowed.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    QuotaFailure::Closed => {
+                        self.store_failures_refused.fetch_add(1, Ordering::Relaxed);
+                        Err(STORE_DOWN_RETRY_MS)
+                    }
+                }
+            }
         }
     }
 
     pub fn release(&self, name: &str, amount: u32) {
-        let mut m = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = m.get_mut(name) {
-            b.tokens += amount as f64;
+        if let Err(e) = self.quotas.release(&self.scope, name, amount) {
+            tracing::warn!(tenant = %self.scope, error = %e, "quota store failed on release");
         }
     }
 }

@@ -6,9 +6,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 
 use crate::engine::EngineConfig;
+use crate::plugins::{LocalQuotas, QuotaFailure, QuotaStore, RedisQuotas};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -125,6 +128,13 @@ pub struct LimitsSection {
     pub max_stop_bytes: usize,
     /// Most logit_bias entries.
     pub max_logit_bias: usize,
+    /// Where rate-limit buckets live: `memory` (this process) or `redis://host:port[/db]`, so
+    /// replicas behind one load balancer enforce one budget per tenant.
+    pub store: String,
+    /// Key prefix in the shared store (replicas of one deployment use the same one).
+    pub store_prefix: String,
+    /// Connect / read / write timeout for the shared store.
+    pub store_timeout_ms: u64,
 }
 
 impl Default for LimitsSection {
@@ -143,6 +153,9 @@ impl Default for LimitsSection {
             max_schema_depth: 100,
             max_stop_bytes: 1024,
             max_logit_bias: 1024,
+            store: "memory".into(),
+            store_prefix: "kimi-host".into(),
+            store_timeout_ms: 250,
         }
     }
 }
@@ -212,6 +225,10 @@ pub struct TenantConfig {
     /// Whether this tenant may upload its own plugins.
     #[serde(default = "yes")]
     pub allow_uploads: bool,
+    /// While a shared quota store (`limits.store`) cannot answer: `open` admits, `closed`
+    /// refuses with 429.
+    #[serde(default)]
+    pub quota_store_failure: QuotaFailure,
 }
 
 fn default_concurrency() -> usize {
@@ -289,6 +306,7 @@ impl ServeConfig {
                 max_concurrency: 128,
                 thinking_budgets: BTreeMap::new(),
                 allow_uploads: true,
+                quota_store_failure: QuotaFailure::Open,
             }],
         }
     }
@@ -349,7 +367,27 @@ impl ServeConfig {
         }
         self.listen_addr()?;
         self.engine.engine_config()?;
+        self.quota_store()?;
         Ok(())
+    }
+
+    /// The rate-limit store `limits.store` names (no connection is made yet).
+    pub fn quota_store(&self) -> Result<Arc<dyn QuotaStore>, ConfigError> {
+        let l = &self.limits;
+        match l.store.as_str() {
+            "memory" => Ok(Arc::new(LocalQuotas::default())),
+            url if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") => {
+                if l.store_timeout_ms == 0 {
+                    return Err(ConfigError::Invalid("limits.store_timeout_ms must be ≥ 1".into()));
+                }
+                let store = RedisQuotas::new(url, &l.store_prefix, Duration::from_millis(l.store_timeout_ms))
+                    .map_err(|e| ConfigError::Invalid(format!("limits.store: {e}")))?;
+                Ok(Arc::new(store))
+            }
+            other => {
+                Err(ConfigError::Invalid(format!("limits.store: {other:?} is neither `memory` nor a redis:// URL")))
+            }
+        }
     }
 }
 

@@ -35,6 +35,13 @@ pub struct PluginLabels {
     pub kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreFailureLabels {
+    pub tenant: String,
+    /// `allowed` (the tenant fails open) or `refused` (fails closed).
+    pub outcome: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
@@ -63,6 +70,7 @@ pub struct Metrics {
     plugin_timeouts: Family<PluginLabels, Counter>,
     plugin_failures: Family<PluginLabels, Counter>,
     plugin_disabled: Family<PluginLabels, Gauge>,
+    quota_store_failures: Family<StoreFailureLabels, Counter>,
 }
 
 /// One label set's plugin figures (several plugins when names are hidden).
@@ -146,6 +154,12 @@ impl Metrics {
         r.register("plugin_failures", "Failed plugin calls of any cause", plugin_failures.clone());
         let plugin_disabled = Family::<PluginLabels, Gauge>::default();
         r.register("plugin_disabled", "1 when repeated failures disabled the plugin", plugin_disabled.clone());
+        let quota_store_failures = Family::<StoreFailureLabels, Counter>::default();
+        r.register(
+            "quota_store_failures",
+            "Rate-limit checks the shared quota store could not answer, by what the tenant's policy did",
+            quota_store_failures.clone(),
+        );
         Metrics {
             registry: r,
             requests,
@@ -174,6 +188,7 @@ impl Metrics {
             plugin_timeouts,
             plugin_failures,
             plugin_disabled,
+            quota_store_failures,
         }
     }
 
@@ -229,6 +244,17 @@ impl Metrics {
                 };
                 let key = (t.name.clone(), shown, p.plugin.kind().name().to_string());
                 totals.entry(key).or_default().add(&p.health);
+            }
+        }
+        for t in tenants {
+            for (outcome, n) in
+                [("allowed", &t.services.store_failures_allowed), ("refused", &t.services.store_failures_refused)]
+            {
+                let n = n.load(Ordering::Relaxed);
+                if n > 0 {
+                    let l = StoreFailureLabels { tenant: t.name.clone(), outcome: outcome.into() };
+                    sync(&self.quota_store_failures.get_or_create(&l), n);
+                }
             }
         }
         for ((tenant, plugin, kind), t) in totals {

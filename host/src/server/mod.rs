@@ -91,10 +91,16 @@ impl AppState {
         let cache_dir = cfg.plugin_cache.clone().or_else(crate::plugins::runtime::default_cache_dir);
         let runtime = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir })
             .map_err(|e| ServeError::Setup(format!("plugin runtime: {e}")))?;
+        let quotas = cfg.quota_store().map_err(|e| ServeError::Setup(e.to_string()))?;
+        if let Err(e) = quotas.check() {
+            // Not fatal: the store may come up later; meanwhile each tenant's
+            // `quota_store_failure` decides.
+            eprintln!("warning: {e}; tenants' rate limits follow their quota_store_failure policy until it answers");
+        }
         let tenants = cfg
             .tenants
             .iter()
-            .map(|t| Tenant::from_config(t, &runtime, &env).map(Arc::new))
+            .map(|t| Tenant::from_config(t, &runtime, &env, &quotas).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()
             .map_err(ServeError::Setup)?;
         let max_context = cfg.limits.max_context.map_or(model.text_config().max_position_embeddings, |m| {

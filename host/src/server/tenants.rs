@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::plugins::{
     CompiledPlugin, EffortBudget, GrammarPlugin, PluginEnv, PluginError, PluginHealth, PluginKind, PluginRuntime,
-    PolicyPlugin, SamplerPlugin, TemplatePlugin, TenantSampler, TenantServices,
+    PolicyPlugin, QuotaStore, SamplerPlugin, TemplatePlugin, TenantSampler, TenantServices,
 };
 
 use super::config::TenantConfig;
@@ -147,8 +147,13 @@ pub fn plugin_bytes(reference: &str) -> Result<(String, Vec<u8>), String> {
 }
 
 impl Tenant {
-    pub fn from_config(c: &TenantConfig, runtime: &Arc<PluginRuntime>, env: &Arc<PluginEnv>) -> Result<Tenant, String> {
-        let services = Arc::new(TenantServices::default());
+    pub fn from_config(
+        c: &TenantConfig,
+        runtime: &Arc<PluginRuntime>,
+        env: &Arc<PluginEnv>,
+        quotas: &Arc<dyn QuotaStore>,
+    ) -> Result<Tenant, String> {
+        let services = Arc::new(TenantServices::new(&c.name, quotas.clone(), c.quota_store_failure));
         let mut plugins = BTreeMap::new();
         let mut load = |reference: &str, want: PluginKind| -> Result<String, String> {
             let (name, bytes) = plugin_bytes(reference)?;

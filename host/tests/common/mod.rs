@@ -160,3 +160,24 @@ pub fn build_custom_sampler() -> PathBuf {
         .env_remove("CARGO_TARGET_DIR"));
     target.join("wasm32-wasip2/release/typical_sampler.wasm")
 }
+
+/// A `redis-server` to start: the one on PATH, else Debian's unpacked into `target/redis` by
+/// `scripts/fetch-redis.sh` (no system install). Returns (binary, library directory to add).
+pub fn redis_server() -> (PathBuf, Option<PathBuf>) {
+    if let Ok(out) = std::process::Command::new("redis-server").arg("--version").output()
+        && out.status.success()
+    {
+        return (PathBuf::from("redis-server"), None);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = root.join("target/redis");
+    let bin = dir.join("usr/bin/redis-server");
+    if !bin.exists() {
+        let status = std::process::Command::new(root.join("scripts/fetch-redis.sh"))
+            .arg(&dir)
+            .status()
+            .expect("run scripts/fetch-redis.sh");
+        assert!(status.success(), "scripts/fetch-redis.sh could not unpack Debian's redis-server");
+    }
+    (bin, Some(dir.join("usr/lib/x86_64-linux-gnu")))
+}
