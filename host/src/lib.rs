@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod bench_plugins;
 pub mod bench_serve;
+pub mod bench_soak;
 pub mod bench_tokenizer;
 pub mod engine;
 pub mod grammar;

@@ -182,6 +182,21 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A bounded soak of `serve` under faults on loopback (mixed traffic, clients that vanish,
+    /// a tenant with a misbehaving plugin, a SIGTERM drain); fails on any unanswered request,
+    /// leaked state, counter mismatch or RSS growth past the stated bound.
+    Soak {
+        /// Seconds of traffic.
+        #[arg(long, default_value_t = 60)]
+        duration: u64,
+        /// Concurrent clients.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Prefill and decode tokens/s, with measured memory bandwidth as the baseline.
     Forward {
         #[arg(long)]
@@ -447,6 +462,23 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 kimi_host::bench_serve::print(&rows);
+            }
+        }
+        Command::Bench(BenchCommand::Soak { duration, concurrency, seed, json }) => {
+            let report = runtime()?
+                .block_on(kimi_host::bench_soak::soak(
+                    std::time::Duration::from_secs(duration),
+                    concurrency.max(1),
+                    seed,
+                ))
+                .map_err(anyhow::Error::msg)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                kimi_host::bench_soak::print(&report);
+            }
+            if !report.violations.is_empty() {
+                anyhow::bail!("the soak found {} violations", report.violations.len());
             }
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode, threads, json }) => {

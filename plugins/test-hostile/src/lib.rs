@@ -86,7 +86,10 @@ fn scribble_on_fresh_pages(pages: usize) -> u32 {
 
 impl GuestSequence for Seq {
     fn create(_req: RequestInfo, params_json: String, _seed: u64) -> Result<Sequence, PluginError> {
-        Ok(Sequence::new(Seq(params_json.trim().trim_matches('"').to_string())))
+        // A bare JSON string is the behaviour; through the server (an object of sampling params)
+        // it is `sampler_params.hostile`.
+        let mode = mode_in_object(&params_json).unwrap_or_else(|| params_json.trim().trim_matches('"').to_string());
+        Ok(Sequence::new(Seq(mode)))
     }
 
     fn accept(&self, _ids: Vec<u32>) {}
@@ -99,3 +102,11 @@ impl GuestSequence for Seq {
 }
 
 kimi_plugin::sampler::export_sampler!(Hostile);
+
+/// The string value of a `"hostile"` key in a JSON object (a hand scan: this guest has no JSON
+/// parser and needs none for one flat key).
+fn mode_in_object(json: &str) -> Option<String> {
+    let rest = &json[json.find("\"hostile\"")? + "\"hostile\"".len()..];
+    let rest = rest.trim_start().strip_prefix(':')?.trim_start().strip_prefix('"')?;
+    Some(rest[..rest.find('"')?].to_string())
+}
