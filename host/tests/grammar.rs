@@ -133,3 +133,31 @@ fn huge_schemas_compile_without_overflowing_the_callers_stack() {
         assert!(e.contains("invalid constraint") || e.contains("grammar engine"), "{e}");
     }
 }
+
+/// Regexes whose automata explode (and grammars of the same kind) are refused or bounded by the
+/// engine's work budgets: compiling and masking end with an answer, never a hang.
+#[test]
+fn exploding_regexes_hit_the_work_budgets_not_a_hang() {
+    let (_tok, g) = engine();
+    for re in ["(a|b)*a(a|b){60}", "(x+x+)+y", "([a-z]{1,50}){1,50}[0-9]{100}", "(.*a){40}"] {
+        let c = Constraint::Regex(re.into());
+        match g.matcher(&c) {
+            Err(e) => assert!(e.to_string().contains("constraint"), "{re}: {e}"),
+            Ok(mut m) => {
+                for _ in 0..8 {
+                    let Ok(mask) = m.mask() else { break };
+                    let mut first = None;
+                    mask.iter_set_entries(|i| {
+                        if first.is_none() {
+                            first = Some(i as u32);
+                        }
+                    });
+                    let Some(t) = first else { break };
+                    if m.consume(t).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

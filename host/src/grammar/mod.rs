@@ -151,6 +151,17 @@ impl GrammarEngine {
         let mut factory = ParserFactory::new(&env, Default::default(), &slices)
             .map_err(|e| GrammarError::Engine(format!("{e:#}")))?;
         factory.quiet();
+        // Work budgets, spelled out so a dependency update cannot loosen them silently: lexer
+        // fuel bounds the regex work of compiling a constraint and of each token's mask,
+        // `max_lexer_states` / `max_grammar_size` bound what a `pattern` or a schema may expand
+        // to, `step_max_items` the Earley work per token. Past one, that request gets a 400.
+        let limits = factory.limits_mut();
+        limits.max_items_in_row = 2000;
+        limits.initial_lexer_fuel = 1_000_000;
+        limits.step_lexer_fuel = 200_000;
+        limits.max_lexer_states = 250_000;
+        limits.max_grammar_size = 500_000;
+        limits.step_max_items = 50_000;
         let plain = Arc::new(text_bias::PlainTokens::new(env.tok_trie()));
         Ok(GrammarEngine { factory, cache: Mutex::new(HashMap::new()), vocab_size, plain })
     }
