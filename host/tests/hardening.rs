@@ -362,3 +362,42 @@ fn the_soak_under_faults_passes() {
     assert!(out.status.success(), "the soak failed:\n{text}");
     assert!(text.contains("PASS"), "{text}");
 }
+
+/// A stream that waits in the queue sends SSE keep-alive comments (`[http] sse_keepalive_ms`), so
+/// proxies with idle timeouts do not cut it; it still gets its tokens once admitted.
+#[test]
+fn a_queued_stream_gets_keepalives() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let extra = "[http]\nsse_keepalive_ms = 300\n[engine]\nmax_seqs = 1\nqueue_timeout_ms = 60000\n";
+    let (_server, addr) = start(dir.path(), extra);
+    // One long request holds the only sequence slot (EOS `<|end_of_msg|>` = 258 is banned).
+    let long = chat(json!({"max_tokens": 3000, "temperature": 0, "logit_bias": {"258": -100}}));
+    let holder = std::thread::spawn(move || request(addr, "POST", "/v1/chat/completions", None, Some(&long)));
+    std::thread::sleep(Duration::from_millis(300));
+    let body = chat(json!({"stream": true, "max_tokens": 2})).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    s.write_all(req.as_bytes()).expect("send");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let t = Instant::now();
+    while !String::from_utf8_lossy(&seen).contains(": keep-alive") {
+        let n = s.read(&mut buf).unwrap_or(0);
+        assert!(n > 0 && t.elapsed() < Duration::from_secs(30), "no keep-alive: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(!text.contains("reasoning_content") && !text.contains("\"content\":\"\\n"), "a token came first: {text}");
+    // Once the holder finishes, the stream is served to its end.
+    let (status, v) = holder.join().expect("holder");
+    assert_eq!(status, 200, "{v}");
+    let _ = s.read_to_end(&mut seen);
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("data: [DONE]") && text.contains("finish_reason\":\"length"), "{text}");
+}

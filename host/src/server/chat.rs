@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
@@ -130,8 +131,19 @@ async fn run(
     let n = request.n;
     let stop_tokens = request.stop_tokens.clone();
     let mut handle = s.engine.submit(request).map_err(engine_error)?;
-    // Wait for the first event so that a refusal (e.g. the pool stayed full) is a real status.
-    let first = handle.events.recv().await;
+    // Wait for the first event so that a refusal (e.g. the pool stayed full) is a real status. A
+    // stream waits at most one keep-alive interval: past that it starts (200), keeps the
+    // connection alive with SSE comments, and reports a later refusal as an error event.
+    let first = if params.stream {
+        let wait = std::time::Duration::from_millis(s.http.sse_keepalive_ms);
+        match tokio::time::timeout(wait, handle.events.recv()).await {
+            Ok(Some(ev)) => Some(ev),
+            Ok(None) => return Err(ApiError::internal("the engine stopped before answering")),
+            Err(_) => None,
+        }
+    } else {
+        handle.events.recv().await
+    };
     if let Some(SeqEvent::Failed { index: None, error }) = &first {
         return Err(engine_error(error.clone()));
     }
@@ -157,7 +169,12 @@ async fn run(
         first_token: None,
         stop_tokens,
     };
-    if run.params.stream { Ok(stream(run, handle, outs, first)) } else { collect(run, handle, outs, first).await }
+    if run.params.stream {
+        let keepalive = std::time::Duration::from_millis(s.http.sse_keepalive_ms);
+        Ok(stream(run, handle, outs, first, keepalive))
+    } else {
+        collect(run, handle, outs, first).await
+    }
 }
 
 struct Prepared {
@@ -723,15 +740,26 @@ async fn collect(
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
-fn sse(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
+fn sse(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+fn done() -> Event {
+    Event::default().data("[DONE]")
 }
 
 /// SSE: role first, then deltas as they become certain, a final chunk per choice with its finish
 /// reason, optional usage, `[DONE]`. A client that goes away drops the channel, which drops the
-/// engine handle, which frees the request's state at the engine's next step.
-fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Option<SeqEvent>) -> Response {
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
+/// engine handle, which frees the request's state at the engine's next step. Idle for
+/// `keepalive` (queued, prefilling), the stream sends a `: keep-alive` comment.
+fn stream(
+    mut run: Run,
+    mut handle: GenHandle,
+    mut outs: Vec<SeqOut>,
+    first: Option<SeqEvent>,
+    keepalive: std::time::Duration,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, std::convert::Infallible>>(64);
     tokio::spawn(async move {
         let chat = run.ep == Endpoint::Chat;
         if chat {
@@ -750,7 +778,13 @@ fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Opt
                 Some(ev) => ev,
                 None => match handle.events.recv().await {
                     Some(ev) => ev,
-                    None => break,
+                    None => {
+                        // The engine went away without finishing these choices: say so.
+                        let e = ApiError::internal("the engine stopped before finishing this stream");
+                        let _ = tx.send(Ok(sse(&e.body()))).await;
+                        let _ = tx.send(Ok(done())).await;
+                        return;
+                    }
                 },
             };
             match run.apply(ev, &mut outs) {
@@ -796,7 +830,7 @@ fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Opt
                 Ok(None) => {}
                 Err(e) => {
                     let _ = tx.send(Ok(sse(&e.body()))).await;
-                    let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+                    let _ = tx.send(Ok(done())).await;
                     return;
                 }
             }
@@ -808,9 +842,9 @@ fn stream(mut run: Run, mut handle: GenHandle, mut outs: Vec<SeqOut>, first: Opt
             c["usage"] = run.usage(&outs);
             let _ = tx.send(Ok(sse(&c))).await;
         }
-        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        let _ = tx.send(Ok(done())).await;
     });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    (StatusCode::OK, [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body)
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::new().interval(keepalive).text("keep-alive"))
         .into_response()
 }

@@ -176,6 +176,9 @@ pub struct HttpSection {
     /// A response write that makes no progress this long (a client that stopped reading)
     /// closes the connection.
     pub write_timeout_ms: u64,
+    /// A stream that has nothing to send for this long (queued, or in a long prefill) sends an
+    /// SSE comment, so proxies with idle timeouts keep it open.
+    pub sse_keepalive_ms: u64,
 }
 
 impl Default for HttpSection {
@@ -186,6 +189,7 @@ impl Default for HttpSection {
             header_timeout_ms: 10_000,
             body_timeout_ms: 30_000,
             write_timeout_ms: 60_000,
+            sse_keepalive_ms: 15_000,
         }
     }
 }
@@ -344,7 +348,7 @@ impl ServeConfig {
                 "http.max_connections and http.max_connections_per_ip must be ≥ 1".into(),
             ));
         }
-        if h.header_timeout_ms == 0 || h.body_timeout_ms == 0 || h.write_timeout_ms == 0 {
+        if h.header_timeout_ms == 0 || h.body_timeout_ms == 0 || h.write_timeout_ms == 0 || h.sse_keepalive_ms == 0 {
             return Err(ConfigError::Invalid("http timeouts must be ≥ 1 ms".into()));
         }
         for t in &self.tenants {
