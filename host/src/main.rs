@@ -16,8 +16,34 @@ use kimi_host::tokenizer::Tokenizer;
 #[derive(Parser)]
 #[command(name = "kimi-host", version, about = "Inference host for the Kimi-K3 model family")]
 struct Cli {
+    /// Log lines on stderr as text or JSON (one object per line). Filter with `RUST_LOG`
+    /// (e.g. `info`, `kimi_host=debug`); the default is `info` for `serve`, `warn` otherwise.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Installs the log subscriber (stderr; stdout stays for command output).
+fn init_logging(format: LogFormat, default_level: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    // A second init (never happens in the binary) would only be refused; nothing to handle.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init(),
+    };
 }
 
 #[derive(Subcommand)]
@@ -281,6 +307,8 @@ fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    let serving = matches!(cli.command, Command::Serve { .. });
+    init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
         Command::Serve { config, model, listen } => serve(config, model, listen)?,
         Command::Inspect { model_dir, context, json } => {

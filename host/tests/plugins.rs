@@ -274,3 +274,59 @@ fn compiled_components_are_cached_on_disk() {
     assert!(report.imports.iter().any(|i| i == "kimi:host/logits@0.1.0"));
     assert!(report.verdict.is_ok());
 }
+
+/// A plugin's `log.emit` reaches the host's log under its tenant and plugin name; a flood, even
+/// spread over many instances, is cut to the per-plugin budget with a count of what was dropped.
+#[test]
+fn plugin_logs_reach_the_log_with_their_tenant_and_floods_are_limited() {
+    use kimi_host::plugins::host::{LOG_BURST, LOG_PER_SECOND};
+    use std::sync::Mutex;
+
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Capture {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let capture = Capture::default();
+    let writer = capture.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let plugin = sampler(&rt, "test-hostile", TEST_HOSTILE);
+    let mut s = TenantSampler::new(plugin, env(64), Arc::new(TenantServices::new_local("acme")), "acme");
+    let row = logits(64, 3);
+    let t0 = Instant::now();
+    for mode in ["log", "log-flood", "log-flood", "log-flood", "log"] {
+        if mode == "log" {
+            // Lets the budget refill a little, so the line after the flood is written with the
+            // count of what was dropped.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let inst = s.instance().expect("instance");
+        let seq = inst.create_sequence(&req("acme"), mode, 1).expect("seq");
+        let r = inst.sample(&[(&seq, &row)], None).expect("call");
+        assert!(r[0].is_ok());
+        inst.drop_sequence(seq).expect("drop");
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let text = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf8");
+    let hello = text.lines().find(|l| l.contains("test-hostile says hello")).expect("the plugin's line is logged");
+    assert!(hello.contains("acme") && hello.contains("test-hostile") && hello.contains("tenant"), "{hello}");
+    let flood = text.lines().filter(|l| l.contains("flood line")).count();
+    let budget = LOG_BURST + LOG_PER_SECOND * elapsed + 1.0;
+    assert!(flood as f64 <= budget, "{flood} flood lines passed a budget of {budget:.0}");
+    assert!(flood >= 50, "the burst is written: {flood}");
+    assert!(text.contains("dropped"), "the drop is reported");
+}

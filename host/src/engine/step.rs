@@ -159,7 +159,7 @@ impl Worker {
     fn note_fault(&self, message: &str) {
         self.stats.faults.fetch_add(1, Ordering::Relaxed);
         *self.stats.last_fault.lock() = Some(Instant::now());
-        eprintln!("kimi-host: engine fault contained: {message}");
+        tracing::error!(fault = %message, "engine fault contained; the requests of that step were failed");
     }
 
     fn probe(&self, point: FaultPoint, tokens: &[u32]) {
@@ -308,7 +308,8 @@ impl Worker {
 
     /// One scheduling step.
     fn step(&mut self) {
-        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let step = self.stats.steps.fetch_add(1, Ordering::Relaxed) + 1;
         let decoding: usize = self.running.iter().filter(|r| !r.in_prefill()).map(Running::live).sum();
         let mut budget = self.config.max_batched_tokens.saturating_sub(decoding).max(1);
         // Prefill chunks, oldest request first, within the step's token budget.
@@ -362,6 +363,7 @@ impl Worker {
         }
 
         // Prefill chunks; a finished prompt yields the first rows of all `n` sequences.
+        let prefill_tokens: usize = prefill.iter().map(|p| p.1).sum();
         for (ri, take) in prefill {
             let r = &mut self.running[ri];
             let chunk = &r.req.prompt[r.prefilled..r.prefilled + take];
@@ -396,7 +398,18 @@ impl Worker {
         for (run, seq, e) in failures {
             self.fail(run, seq, e);
         }
+        let forward = started.elapsed();
+        let decode_rows = rows.len();
         self.sample(rows);
+        tracing::debug!(
+            step,
+            decoding,
+            prefill_tokens,
+            rows = decode_rows,
+            forward_ms = forward.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "engine step"
+        );
     }
 
     fn fail(&mut self, run: usize, seq: Option<usize>, error: EngineError) {

@@ -50,6 +50,31 @@ pub struct TenantServices {
     pub store_failures_allowed: AtomicU64,
     pub store_failures_refused: AtomicU64,
     pub metrics: Mutex<HashMap<String, f64>>,
+    /// `log.emit` budget per plugin, shared by all its instances (a flood across many requests
+    /// is limited as much as one inside a request).
+    log_buckets: Mutex<HashMap<String, LogBucket>>,
+    /// Plugin log lines dropped by that budget, for `/metrics`.
+    pub log_dropped: AtomicU64,
+}
+
+struct LogBucket {
+    tokens: f64,
+    last: Instant,
+    dropped: u64,
+}
+
+/// Plugin log lines: a burst, then a steady rate, per (tenant, plugin).
+pub const LOG_BURST: f64 = 100.0;
+pub const LOG_PER_SECOND: f64 = 20.0;
+
+/// Whether a plugin's log line is written.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LogAdmit {
+    /// Write it; `dropped` lines were suppressed since the last one written.
+    Emit {
+        dropped: u64,
+    },
+    Drop,
 }
 
 /// What a tenant's rate limits do while the shared quota store cannot answer.
@@ -92,7 +117,34 @@ impl TenantServices {
             store_failures_allowed: AtomicU64::new(0),
             store_failures_refused: AtomicU64::new(0),
             metrics: Mutex::new(HashMap::new()),
+            log_buckets: Mutex::new(HashMap::new()),
+            log_dropped: AtomicU64::new(0),
         }
+    }
+
+    /// Takes one line from `plugin`'s log budget.
+    pub fn log_admit(&self, plugin: &str) -> LogAdmit {
+        let mut m = self.log_buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if m.len() >= 1024 && !m.contains_key(plugin) {
+            m.retain(|_, b| b.tokens < LOG_BURST);
+        }
+        let b = m.entry(plugin.to_string()).or_insert(LogBucket { tokens: LOG_BURST, last: now, dropped: 0 });
+        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * LOG_PER_SECOND).min(LOG_BURST);
+        b.last = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            LogAdmit::Emit { dropped: std::mem::take(&mut b.dropped) }
+        } else {
+            b.dropped += 1;
+            self.log_dropped.fetch_add(1, Ordering::Relaxed);
+            LogAdmit::Drop
+        }
+    }
+
+    /// Services with this process's own rate-limit buckets.
+    pub fn new_local(tenant: &str) -> TenantServices {
+        TenantServices::new(tenant, Arc::new(LocalQuotas::default()), QuotaFailure::Open)
     }
 
     /// `memory` or `redis`.
@@ -208,7 +260,6 @@ pub struct HostState {
     pub plugin: String,
     pub tenant_name: String,
     pub step: StepView,
-    log_budget: u32,
 }
 
 impl HostState {
@@ -227,7 +278,6 @@ impl HostState {
             plugin: plugin.to_string(),
             tenant_name: tenant_name.to_string(),
             step: StepView::default(),
-            log_budget: 1000,
         }
     }
 }
@@ -258,10 +308,14 @@ impl types::Host for HostState {}
 
 impl log::Host for HostState {
     fn emit(&mut self, lvl: log::Level, msg: String) -> wasmtime::Result<()> {
-        if self.log_budget == 0 {
-            return Ok(());
+        let dropped = match self.tenant.log_admit(&self.plugin) {
+            LogAdmit::Emit { dropped } => dropped,
+            LogAdmit::Drop => return Ok(()),
+        };
+        let (tenant, plugin) = (&self.tenant_name, &self.plugin);
+        if dropped > 0 {
+            tracing::warn!(tenant, plugin, dropped, "plugin log lines dropped (rate limit)");
         }
-        self.log_budget -= 1;
         let mut msg = msg;
         if msg.len() > 1024 {
             let mut cut = 1024;
@@ -270,7 +324,6 @@ impl log::Host for HostState {
             }
             msg.truncate(cut);
         }
-        let (tenant, plugin) = (&self.tenant_name, &self.plugin);
         match lvl {
             log::Level::Debug => tracing::debug!(tenant, plugin, "{msg}"),
             log::Level::Info => tracing::info!(tenant, plugin, "{msg}"),

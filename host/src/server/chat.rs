@@ -85,7 +85,9 @@ async fn handle(s: Shared, headers: HeaderMap, body: Result<Bytes, BytesRejectio
             return e.into_response();
         }
     };
-    let r = run(&s, &tenant, super::key_id(&headers), body, ep, t0).await;
+    tracing::Span::current().record("tenant", tenant.name.as_str());
+    let request_id = super::request_id(&headers).unwrap_or_else(|| new_id("req-"));
+    let r = run(&s, &tenant, super::key_id(&headers), request_id, body, ep, t0).await;
     let (status, resp) = match r {
         Ok(resp) => (resp.status().as_u16(), resp),
         Err(e) => (e.status.as_u16(), e.into_response()),
@@ -98,6 +100,7 @@ async fn run(
     s: &Shared,
     tenant: &Arc<Tenant>,
     key_id: String,
+    request_id: String,
     body: Result<Bytes, BytesRejection>,
     ep: Endpoint,
     t0: Instant,
@@ -123,9 +126,12 @@ async fn run(
     };
     let prep = {
         let (s, tenant, params) = (s.clone(), tenant.clone(), params.clone());
-        tokio::task::spawn_blocking(move || prepare(&s, &tenant, key_id, obj, &params, ep))
-            .await
-            .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || {
+            span.in_scope(|| prepare(&s, &tenant, key_id, request_id, obj, &params, ep))
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??
     };
     let Prepared { request, template, parser_info, meta, prompt_len } = prep;
     let n = request.n;
@@ -208,11 +214,11 @@ fn prepare(
     s: &Shared,
     tenant: &Arc<Tenant>,
     key_id: String,
+    request_id: String,
     obj: Map<String, Value>,
     p: &GenParams,
     ep: Endpoint,
 ) -> Result<Prepared, ApiError> {
-    let request_id = new_id("req-");
     let info = RequestInfo {
         tenant: tenant.name.clone(),
         request_id: request_id.clone(),

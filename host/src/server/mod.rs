@@ -24,6 +24,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde_json::{Map, Value, json};
+use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
 
 use crate::engine::Engine;
 use crate::grammar::GrammarEngine;
@@ -95,7 +97,7 @@ impl AppState {
         if let Err(e) = quotas.check() {
             // Not fatal: the store may come up later; meanwhile each tenant's
             // `quota_store_failure` decides.
-            eprintln!("warning: {e}; tenants' rate limits follow their quota_store_failure policy until it answers");
+            tracing::warn!(error = %e, "quota store unreachable; tenants' rate limits follow their quota_store_failure policy until it answers");
         }
         let tenants = cfg
             .tenants
@@ -264,7 +266,49 @@ pub fn router(state: Shared) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
+        // Outermost last: every request gets an id (kept if the client sent `x-request-id`),
+        // a span carrying it (the handler adds the tenant), one log line with its status and
+        // latency, and the id echoed in the response.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_request(())
+                .on_response(|res: &axum::http::Response<_>, latency: Duration, span: &tracing::Span| {
+                    span.record("status", res.status().as_u16());
+                    tracing::info!(ms = latency.as_secs_f64() * 1e3, "request");
+                })
+                .on_failure(()),
+        )
+        .layer(SetRequestIdLayer::x_request_id(RequestIds))
         .with_state(state)
+}
+
+/// Request ids in the same `req-…` form as the rest of the server's ids.
+#[derive(Clone, Copy)]
+struct RequestIds;
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
+        axum::http::HeaderValue::from_str(&openai::new_id("req-")).ok().map(RequestId::new)
+    }
+}
+
+fn request_span<B>(req: &axum::http::Request<B>) -> tracing::Span {
+    let id = req.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-");
+    tracing::info_span!(
+        "request",
+        id,
+        method = %req.method(),
+        path = req.uri().path(),
+        tenant = tracing::field::Empty,
+        status = tracing::field::Empty,
+    )
+}
+
+/// The id `SetRequestIdLayer` gave this request.
+pub fn request_id(headers: &HeaderMap) -> Option<String> {
+    headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string)
 }
 
 async fn not_found() -> ApiError {
@@ -279,13 +323,13 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
     )
 }
 
-/// Readiness: 503 once the engine has stopped (shutdown or a fault), so a load balancer stops
-/// sending requests here. A builtin plugin whose breaker is open makes the status `degraded`
-/// (still 200: the other tenants are served); only builtin names are shown, since `/health`
-/// needs no key.
 /// How long a contained engine fault keeps `/health` at `degraded`.
 const RECENT_FAULT_SECS: f64 = 60.0;
 
+/// Readiness: 503 once the engine has stopped (shutdown or a fault), so a load balancer stops
+/// sending requests here. A builtin plugin whose breaker is open, or an engine fault in the last
+/// minute, makes the status `degraded` (still 200: the other tenants are served); only builtin
+/// names are shown, since `/health` needs no key.
 async fn health(State(s): State<Shared>) -> Response {
     let stats = &s.engine.stats;
     let alive = s.engine.is_running();
@@ -342,8 +386,23 @@ pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Dura
     let addr = listener.local_addr().map_err(|e| ServeError::Setup(format!("listener: {e}")))?;
     let engine = state.engine.clone();
     let http = state.http.clone();
+    let tenants: Vec<String> = state
+        .tenants
+        .iter()
+        .map(|t| {
+            let plugins: Vec<String> = t.list().into_iter().map(|p| p.name).collect();
+            format!("{} [{}]", t.name, plugins.join(", "))
+        })
+        .collect();
+    tracing::info!(
+        listen = %format!("http://{addr}"),
+        model = %state.model_name,
+        backend = %format!("cpu ({:?}, {} threads)", kimi_kernels::cpu::simd::simd_level(), rayon::current_num_threads()),
+        max_context = state.max_context,
+        tenants = %tenants.join("; "),
+        "kimi-host serving"
+    );
     let app = router(state);
-    tracing::info!("listening on http://{addr}");
     let shutdown = async move {
         let ctrl_c = tokio::signal::ctrl_c();
         #[cfg(unix)]
@@ -364,7 +423,7 @@ pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Dura
         {
             let _ = ctrl_c.await;
         }
-        eprintln!("shutting down: finishing running requests (up to {grace:?})");
+        tracing::info!(grace_s = grace.as_secs_f64(), "shutting down: finishing running requests");
         // Stop admitting and drain on a blocking thread while hyper finishes open responses.
         let e = engine.clone();
         tokio::task::spawn_blocking(move || e.shutdown(grace));

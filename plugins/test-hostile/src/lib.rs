@@ -3,11 +3,13 @@
 //! `bad-token` (returns an id past the vocabulary), `count` (returns how many rows this instance
 //! has sampled — instance-global state, to show tenants never share instances), `residue`
 //! (grows memory by 4 pages, returns how many bytes of them are not zero, then fills them — a
-//! reused pool slot must come back as fresh as a new one), anything else: the argmax.
+//! reused pool slot must come back as fresh as a new one), `log` (one log line), `log-flood`
+//! (1000 log lines per row), anything else: the argmax.
 
 use std::cell::Cell;
 
 use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
+use kimi_plugin::sampler::kimi::host::log;
 use kimi_plugin::sampler::kimi::host::logits::StepLogits;
 use kimi_plugin::sampler::kimi::host::tokenizer;
 use kimi_plugin::sampler::kimi::host::types::{PluginError, RequestInfo};
@@ -57,6 +59,16 @@ impl Guest for Hostile {
                     out.push(Ok(n));
                 }
                 "residue" => out.push(Ok(scribble_on_fresh_pages(4))),
+                "log" => {
+                    log::emit(log::Level::Info, "test-hostile says hello");
+                    out.push(Ok(row.stats.argmax));
+                }
+                "log-flood" => {
+                    for i in 0..1000 {
+                        log::emit(log::Level::Info, &format!("test-hostile flood line {i}"));
+                    }
+                    out.push(Ok(row.stats.argmax));
+                }
                 _ => out.push(Ok(row.stats.argmax)),
             }
         }
