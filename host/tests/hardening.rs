@@ -320,6 +320,28 @@ fn replicas_share_one_rate_limit_through_redis() {
     assert!(total >= RPM && total <= budget, "admitted {admitted:?}, budget {budget}");
     assert!(admitted.iter().all(|&a| a < RPM), "each replica refused before its own burst: {admitted:?}");
     assert_eq!(post(0, "closed-key").0, 200, "the fail-closed tenant is served while Redis is up");
+    // The builtin policy's own metrics, per replica, under its tenant and name.
+    let scrape = |i: usize| {
+        raw(
+            replicas[i].1,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(10),
+        )
+    };
+    let series = |text: &str, name: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l.contains("tenant=\"open\""))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<u64>().ok()))
+            .sum()
+    };
+    for (i, a) in admitted.iter().enumerate() {
+        let text = scrape(i);
+        let admitted_series =
+            r#"kimi_plugin_counter_total{tenant="open",plugin="builtin:policy-limits",name="admitted"}"#;
+        assert_eq!(series(&text, admitted_series), u64::from(*a), "replica {i}:\n{text}");
+        let count = r#"kimi_plugin_histogram_count{tenant="open",plugin="builtin:policy-limits",name="prompt_tokens"}"#;
+        assert_eq!(series(&text, count), 5, "replica {i} ran the policy 5 times:\n{text}");
+    }
 
     drop(redis);
     let t = Instant::now();

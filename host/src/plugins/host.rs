@@ -12,6 +12,7 @@ use wasmtime::{ResourceLimiter, StoreLimits};
 use super::bindings::host::kimi::host::{
     clock, grammar_engine, kv, log, logits, metrics, rate_limit, tokenizer, types,
 };
+use super::plugin_metrics::PluginMetricStore;
 use super::quota::{LocalQuotas, QuotaStore};
 use crate::grammar::GrammarEngine;
 use crate::tokenizer::Tokenizer;
@@ -49,7 +50,8 @@ pub struct TenantServices {
     /// Store failures by outcome, for `/metrics`.
     pub store_failures_allowed: AtomicU64,
     pub store_failures_refused: AtomicU64,
-    pub metrics: Mutex<HashMap<String, f64>>,
+    /// Plugin-defined counters and histograms (capped per tenant).
+    pub metrics: PluginMetricStore,
     /// `log.emit` budget per plugin, shared by all its instances (a flood across many requests
     /// is limited as much as one inside a request).
     log_buckets: Mutex<HashMap<String, LogBucket>>,
@@ -116,7 +118,7 @@ impl TenantServices {
             on_store_failure,
             store_failures_allowed: AtomicU64::new(0),
             store_failures_refused: AtomicU64::new(0),
-            metrics: Mutex::new(HashMap::new()),
+            metrics: PluginMetricStore::default(),
             log_buckets: Mutex::new(HashMap::new()),
             log_dropped: AtomicU64::new(0),
         }
@@ -336,20 +338,12 @@ impl log::Host for HostState {
 
 impl metrics::Host for HostState {
     fn counter_add(&mut self, name: String, value: u64) -> wasmtime::Result<()> {
-        let key = format!("{}:{name}", self.plugin);
-        let mut m = self.tenant.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        if m.len() < 1000 || m.contains_key(&key) {
-            *m.entry(key).or_default() += value as f64;
-        }
+        self.tenant.metrics.counter_add(&self.plugin, &name, value);
         Ok(())
     }
 
     fn observe(&mut self, name: String, value: f64) -> wasmtime::Result<()> {
-        let key = format!("{}:{name}", self.plugin);
-        let mut m = self.tenant.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        if m.len() < 1000 || m.contains_key(&key) {
-            m.insert(key, value);
-        }
+        self.tenant.metrics.observe(&self.plugin, &name, value);
         Ok(())
     }
 }

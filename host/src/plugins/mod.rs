@@ -10,6 +10,7 @@ pub mod grammar_check;
 pub mod health;
 pub mod host;
 pub mod oneshot;
+pub mod plugin_metrics;
 pub mod policy;
 pub mod quota;
 pub mod runtime;

@@ -1,11 +1,14 @@
 //! `/metrics` (Prometheus text format): requests, tokens, latency histograms, queue and pool
-//! usage from the engine, and per-(tenant, plugin) call time, traps and timeouts.
+//! usage from the engine, per-(tenant, plugin) call time, traps and timeouts, and the
+//! plugins' own counters and histograms.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -15,6 +18,7 @@ use prometheus_client::registry::Registry;
 use super::tenants::{PluginOrigin, Tenant};
 use crate::engine::EngineStats;
 use crate::plugins::PluginHealth;
+use crate::plugins::plugin_metrics::{BUCKETS, Series};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -42,8 +46,99 @@ pub struct StoreFailureLabels {
     pub outcome: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginMetricLabels {
+    tenant: String,
+    plugin: String,
+    name: String,
+}
+
+/// What the plugin-metrics collector exports at the next scrape (set by `render`).
+#[derive(Default)]
+struct PluginView {
+    tenants: Vec<Arc<Tenant>>,
+    plugin_names: bool,
+}
+
+/// Encodes the plugins' own series at scrape time. A builtin's series are always shown; an
+/// uploaded or configured plugin's only with `metrics_plugin_names` (its name, and the names
+/// it gives its metrics, are its tenant's business otherwise).
+struct PluginMetricsCollector(Arc<parking_lot::Mutex<PluginView>>);
+
+impl std::fmt::Debug for PluginMetricsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PluginMetricsCollector")
+    }
+}
+
+impl Collector for PluginMetricsCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let view = self.0.lock();
+        let mut counters = Vec::new();
+        let mut histograms = Vec::new();
+        let mut dropped = Vec::new();
+        for t in &view.tenants {
+            let builtins: std::collections::HashSet<String> =
+                t.list().into_iter().filter(|p| p.origin == PluginOrigin::Builtin).map(|p| p.name).collect();
+            for ((plugin, name), series) in t.services.metrics.snapshot() {
+                if !view.plugin_names && !builtins.contains(&plugin) {
+                    continue;
+                }
+                let labels = PluginMetricLabels { tenant: t.name.clone(), plugin, name };
+                match series {
+                    Series::Counter(v) => counters.push((labels, v)),
+                    Series::Histogram { buckets, sum, count } => histograms.push((labels, buckets, sum, count)),
+                }
+            }
+            let n = t.services.metrics.dropped.load(Ordering::Relaxed);
+            if n > 0 {
+                dropped.push((TenantLabels { tenant: t.name.clone() }, n));
+            }
+        }
+        if !counters.is_empty() {
+            let mut m = encoder.encode_descriptor(
+                "plugin_counter",
+                "Counters defined by plugins",
+                None,
+                MetricType::Counter,
+            )?;
+            for (labels, v) in &counters {
+                m.encode_family(labels)?.encode_counter::<NoLabelSet, u64, u64>(v, None)?;
+            }
+        }
+        if !histograms.is_empty() {
+            let mut m = encoder.encode_descriptor(
+                "plugin_histogram",
+                "Histograms defined by plugins",
+                None,
+                MetricType::Histogram,
+            )?;
+            for (labels, buckets, sum, count) in &histograms {
+                let bounds: Vec<(f64, u64)> =
+                    BUCKETS.iter().copied().chain([f64::MAX]).zip(buckets.iter().copied()).collect();
+                m.encode_family(labels)?.encode_histogram::<NoLabelSet>(*sum, *count, &bounds, None)?;
+            }
+        }
+        if !dropped.is_empty() {
+            let mut m = encoder.encode_descriptor(
+                "plugin_metric_updates_dropped",
+                "Plugin metric updates refused (series cap per tenant, name too long, or kind clash)",
+                None,
+                MetricType::Counter,
+            )?;
+            for (labels, v) in &dropped {
+                m.encode_family(labels)?.encode_counter::<NoLabelSet, u64, u64>(v, None)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    plugin_view: Arc<parking_lot::Mutex<PluginView>>,
+    /// One scrape at a time (the plugin view is set for the scrape that encodes it).
+    render_lock: parking_lot::Mutex<()>,
     pub requests: Family<RequestLabels, Counter>,
     pub prompt_tokens: Family<TenantLabels, Counter>,
     pub completion_tokens: Family<TenantLabels, Counter>,
@@ -160,8 +255,12 @@ impl Metrics {
             "Rate-limit checks the shared quota store could not answer, by what the tenant's policy did",
             quota_store_failures.clone(),
         );
+        let plugin_view = Arc::new(parking_lot::Mutex::new(PluginView::default()));
+        r.register_collector(Box::new(PluginMetricsCollector(plugin_view.clone())));
         Metrics {
             registry: r,
+            plugin_view,
+            render_lock: parking_lot::Mutex::new(()),
             requests,
             prompt_tokens,
             completion_tokens,
@@ -219,6 +318,7 @@ impl Metrics {
     /// a tenant's uploaded and configured plugins are summed per kind under `upload` /
     /// `configured`, so an open `/metrics` never shows one tenant's plugin names to another.
     pub fn render(&self, stats: &EngineStats, tenants: &[Arc<Tenant>], plugin_names: bool) -> String {
+        let _one_at_a_time = self.render_lock.lock();
         let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as i64;
         self.queue_depth.set(load(&stats.waiting));
         self.running_requests.set(load(&stats.running_requests));
@@ -260,8 +360,10 @@ impl Metrics {
         for ((tenant, plugin, kind), t) in totals {
             self.plugin(&PluginLabels { tenant, plugin, kind }, &t);
         }
+        *self.plugin_view.lock() = PluginView { tenants: tenants.to_vec(), plugin_names };
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
+        self.plugin_view.lock().tenants.clear();
         out
     }
 }

@@ -47,6 +47,7 @@ impl Guest for Limits {
 
     fn admit(config_json: String, meta: RequestMeta, _body_json: String) -> Result<Admission, PluginError> {
         let c = config(&config_json)?;
+        metrics::observe("prompt_tokens", f64::from(meta.prompt_tokens));
         if let Some(max) = c.max_prompt_tokens
             && meta.prompt_tokens > max
         {
