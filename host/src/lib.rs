@@ -2,8 +2,11 @@
 
 //! kimi-host: an inference host for the Kimi-K3 model family.
 //!
-//! Today: the text model on the CPU (`model`). The tokenizer, plugin runtime, engine and server
-//! follow (see the repository README).
+//! One request, top to bottom: `server` (OpenAI HTTP API, tenants, limits) → `engine`
+//! (continuous batching over a state pool) → `model` (the K3 / K3.1 forward on the CPU kernels of
+//! `kimi-kernels`) → `plugins` (tenants' sandboxed samplers, grammars, templates and policies),
+//! with `tokenizer` and `grammar` (native constraint masks) beside them. The `bench*` and
+//! `inspect` modules back the command line.
 
 pub mod bench;
 pub mod bench_plugins;
@@ -17,3 +20,4 @@ pub mod model;
 pub mod plugins;
 pub mod server;
 pub mod tokenizer;
+pub mod util;

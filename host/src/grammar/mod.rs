@@ -48,7 +48,7 @@ impl Constraint {
             Constraint::Regex(s) => h.update(format!("regex:{s}")),
             Constraint::Choice(v) => h.update(format!("choice:{}", serde_json::to_string(v).unwrap_or_default())),
         }
-        crate::plugins::runtime::hex(&h.finalize())
+        crate::util::hex(&h.finalize())
     }
 
     fn grammar(&self) -> Result<TopLevelGrammar, GrammarError> {

@@ -65,3 +65,27 @@ pub mod template {
         },
     });
 }
+
+/// A template's segment as the tokenizer's (the two enums mirror each other).
+impl From<host::kimi::host::types::Segment> for crate::tokenizer::Segment {
+    fn from(s: host::kimi::host::types::Segment) -> Self {
+        use host::kimi::host::types::Segment as Wit;
+        match s {
+            Wit::Text(t) => crate::tokenizer::Segment::Text(t),
+            Wit::Special(n) => crate::tokenizer::Segment::Special(n),
+        }
+    }
+}
+
+/// A plugin's declarative constraint as the native grammar engine's.
+impl From<host::kimi::host::grammar_engine::Constraint> for crate::grammar::Constraint {
+    fn from(c: host::kimi::host::grammar_engine::Constraint) -> Self {
+        use host::kimi::host::grammar_engine::Constraint as Wit;
+        match c {
+            Wit::JsonSchema(s) => crate::grammar::Constraint::JsonSchema(s),
+            Wit::Lark(s) => crate::grammar::Constraint::Lark(s),
+            Wit::Regex(s) => crate::grammar::Constraint::Regex(s),
+            Wit::Choice(v) => crate::grammar::Constraint::Choice(v),
+        }
+    }
+}

@@ -7,7 +7,6 @@ use super::bindings::grammar::GrammarPre;
 pub use super::bindings::grammar::exports::kimi::host::grammar_plugin::{EffortBudget, GrammarRequest};
 use super::bindings::host::kimi::host::types::RequestInfo;
 use super::error::PluginError;
-use super::grammar_check::to_native;
 use super::host::{HostState, PluginEnv, TenantServices};
 use super::oneshot::{OneShot, guest_error};
 use super::runtime::{CompiledPlugin, PluginKind, PluginRuntime};
@@ -34,6 +33,6 @@ impl GrammarPlugin {
             |p, s| p.instantiate(s),
             |b, s| b.kimi_host_grammar_plugin().call_plan(s, req, g),
         )?;
-        Ok(r.map_err(|e| guest_error(&self.0.name, e))?.map(to_native))
+        Ok(r.map_err(|e| guest_error(&self.0.name, e))?.map(Into::into))
     }
 }

@@ -15,13 +15,3 @@ pub fn validate(c: &Constraint) -> Option<String> {
         Constraint::Lark(g) => g.trim().is_empty().then(|| "empty Lark grammar".into()),
     }
 }
-
-/// The WIT constraint as the native engine's type.
-pub fn to_native(c: Constraint) -> crate::grammar::Constraint {
-    match c {
-        Constraint::JsonSchema(s) => crate::grammar::Constraint::JsonSchema(s),
-        Constraint::Lark(s) => crate::grammar::Constraint::Lark(s),
-        Constraint::Regex(s) => crate::grammar::Constraint::Regex(s),
-        Constraint::Choice(v) => crate::grammar::Constraint::Choice(v),
-    }
-}

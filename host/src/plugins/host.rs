@@ -478,7 +478,7 @@ impl grammar_engine::Host for HostState {
         if let Some(err) = crate::plugins::grammar_check::validate(&c) {
             return Ok(Some(err));
         }
-        Ok(self.env.grammar.as_ref().and_then(|g| g.validate(&crate::plugins::grammar_check::to_native(c))))
+        Ok(self.env.grammar.as_ref().and_then(|g| g.validate(&c.into())))
     }
 }
 

@@ -109,11 +109,7 @@ impl Default for RuntimeOptions {
 
 /// `$KIMI_HOST_CACHE` or `$XDG_CACHE_HOME/kimi-host` or `~/.cache/kimi-host`, plus `plugins/`.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("KIMI_HOST_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("kimi-host")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kimi-host")))?;
-    Some(base.join("plugins"))
+    crate::util::cache_base().map(|b| b.join("plugins"))
 }
 
 pub struct PluginRuntime {
@@ -211,7 +207,7 @@ impl PluginRuntime {
 
     /// Imports and exports of a component, and whether this host accepts it.
     pub fn check(&self, bytes: &[u8]) -> CheckReport {
-        let sha256 = hex(&Sha256::digest(bytes));
+        let sha256 = crate::util::hex(&Sha256::digest(bytes));
         let component = match Component::new(&self.engine, bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -246,7 +242,7 @@ impl PluginRuntime {
 
     /// Validates and compiles a component (from the on-disk cache when possible).
     pub fn load(&self, name: &str, bytes: &[u8]) -> Result<CompiledPlugin, PluginError> {
-        let sha256 = hex(&Sha256::digest(bytes));
+        let sha256 = crate::util::hex(&Sha256::digest(bytes));
         let component = self.compile_cached(name, bytes, &sha256)?;
         let (imports, exports) = self.interface_names(&component);
         let kind = classify(&imports, &exports)
@@ -395,8 +391,4 @@ fn write_atomic(path: &Path, component: &Component) -> std::io::Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(tmp, path)
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -18,7 +18,7 @@ use super::openai::{ApiError, GenParams, gen_params, new_id, unix_now};
 use super::tenants::{InFlight, LoadedPlugin, Tenant};
 use super::{Shared, json_object};
 use crate::engine::{EngineError, FinishReason, GenHandle, GenRequest, SamplingSpec, SeqEvent, TokenLogprob};
-use crate::plugins::bindings::host::kimi::host::types::{RequestInfo, Segment as WitSegment};
+use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
 use crate::plugins::{GrammarRequest, OutputEvent, OutputParser, PluginError, RequestMeta, TemplatePlugin};
 use crate::tokenizer::stream::StreamDecoder;
 use crate::tokenizer::{Segment, Tokenizer};
@@ -252,14 +252,7 @@ fn prepare(
                 }
             };
             let rendered = t.render(&s.env, &tenant.services, &info, &body_json).map_err(plugin_error)?;
-            let segs: Vec<Segment> = rendered
-                .segments
-                .into_iter()
-                .map(|seg| match seg {
-                    WitSegment::Text(x) => Segment::Text(x),
-                    WitSegment::Special(n) => Segment::Special(n),
-                })
-                .collect();
+            let segs: Vec<Segment> = rendered.segments.into_iter().map(Segment::from).collect();
             let ids = s.tok.encode_segments(&segs).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
             if let Some(pad) = s.tok.special_id("<|media_pad|>")
                 && ids.contains(&pad)

@@ -417,7 +417,7 @@ pub fn parse_size(s: &str) -> Option<usize> {
 /// Hex SHA-256 of an API key, as stored in the config.
 pub fn key_hash(key: &str) -> String {
     use sha2::{Digest, Sha256};
-    crate::plugins::runtime::hex(&Sha256::digest(key.as_bytes()))
+    crate::util::hex(&Sha256::digest(key.as_bytes()))
 }
 
 #[cfg(test)]

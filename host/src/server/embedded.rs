@@ -2,7 +2,7 @@
 //! indexer, byte-level tokenizer) generated once, deterministically, into the user cache. Random
 //! weights — it speaks nonsense — but every serving path is real.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::model::tiny::{TinyOptions, make_tiny};
@@ -13,9 +13,7 @@ pub const MODEL_NAME: &str = "kimi-k3-tiny";
 
 /// `$KIMI_HOST_CACHE`, `$XDG_CACHE_HOME/kimi-host` or `~/.cache/kimi-host`.
 pub fn cache_base() -> PathBuf {
-    crate::plugins::runtime::default_cache_dir()
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-        .unwrap_or_else(|| std::env::temp_dir().join("kimi-host"))
+    crate::util::cache_base().unwrap_or_else(|| std::env::temp_dir().join("kimi-host"))
 }
 
 /// The embedded model's directory, generated on first use.

@@ -1,6 +1,6 @@
 //! The `kimi-host` binary: inspect, logits, generate, make-tiny, bench forward.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -3,7 +3,7 @@
 //! one is left unchecked — with the case's `suggested_tolerance`; router ids and indexer sets
 //! must match exactly.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

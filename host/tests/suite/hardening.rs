@@ -2,7 +2,7 @@
 //! tenant or leak across tenants (issue: hardening). One `kimi-host serve` on a tiny K3.1
 //! checkpoint, driven over raw loopback sockets.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

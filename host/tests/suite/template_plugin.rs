@@ -2,7 +2,7 @@
 //! release chat template's exact ids, bad requests are refused with the reason, and the output
 //! parser resource turns generated ids back into reasoning, content and tool calls.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
@@ -34,14 +34,7 @@ fn req(body: &Value) -> RequestInfo {
 
 fn render_ids(f: &Fixture, body: &Value) -> Result<Vec<u32>, String> {
     let r = f.plugin.render(&f.env, &f.svc, &req(body), &body.to_string()).map_err(|e| e.to_string())?;
-    let segs: Vec<Segment> = r
-        .segments
-        .into_iter()
-        .map(|s| match s {
-            WitSegment::Text(t) => Segment::Text(t),
-            WitSegment::Special(n) => Segment::Special(n),
-        })
-        .collect();
+    let segs: Vec<Segment> = r.segments.into_iter().map(Segment::from).collect();
     f.tok.encode_segments(&segs).map_err(|e| e.to_string())
 }
 

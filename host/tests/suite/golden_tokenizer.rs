@@ -1,7 +1,7 @@
 //! The tokenizer against the real `tiktoken` library's ids (`../shared/golden/tokenizer`) with the
 //! real Kimi `tiktoken.model` (`../shared/tokenizer/kimi`, read in place, never copied).
 
-mod common;
+use crate::common;
 
 use kimi_host::tokenizer::{Segment, Tokenizer};
 use serde_json::Value;

@@ -181,3 +181,26 @@ pub fn redis_server() -> (PathBuf, Option<PathBuf>) {
     }
     (bin, Some(dir.join("usr/lib/x86_64-linux-gnu")))
 }
+
+/// Runs a package installer; on failure, decides between skipping (PyPI cannot be reached from
+/// here: the test prints why and returns) and failing (it can, so the failure is real).
+/// `KIMI_REQUIRE_PYPI=1` makes an unreachable index a failure too.
+pub fn pip_install_or_skip(test: &str, cmd: &mut std::process::Command) -> bool {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    if out.status.success() {
+        return true;
+    }
+    let why = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if std::env::var_os("KIMI_REQUIRE_PYPI").is_none() && !pypi_reachable() {
+        eprintln!("SKIPPED {test}: PyPI (pypi.org:443) is unreachable, so its packages cannot be installed:\n{why}");
+        return false;
+    }
+    panic!("{cmd:?} failed although PyPI is reachable:\n{why}");
+}
+
+/// Whether a TCP connection to pypi.org:443 opens within 5 s.
+pub fn pypi_reachable() -> bool {
+    use std::net::ToSocketAddrs;
+    let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
+    addrs.into_iter().any(|a| std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(5)).is_ok())
+}

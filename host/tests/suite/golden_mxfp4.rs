@@ -2,7 +2,7 @@
 //! edge scales (0 → 2^−127 subnormal, 254 → overflow to ±inf, 255 → NaN per OCP), and the same
 //! values through the matrix product kernel.
 
-mod common;
+use crate::common;
 
 use kimi_host::model::checkpoint::{Checkpoint, Dtype};
 use kimi_kernels::{Matrix, Mxfp4Matrix};

@@ -1,7 +1,7 @@
 //! Streaming detokenizer properties, on the real Kimi tokenizer and on the byte-level tokenizer
 //! that `make-tiny` writes (which splits every multi-byte character across tokens).
 
-mod common;
+use crate::common;
 
 use kimi_host::tokenizer::{Segment, StreamDecoder, Tokenizer};
 use rand::rngs::StdRng;

@@ -1,7 +1,7 @@
 //! Config parsing and checkpoint loading: every failure names the key or the tensor, with the
 //! expected and the found value; sharded checkpoints load like single files.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -6,11 +6,11 @@
 //! a named error) and never a panic, an abort or a trap of a builtin plugin.
 //!
 //! `cargo test` runs a bounded number of cases per target. A longer run:
-//! `KIMI_FUZZ_CASES=20000 cargo test -p kimi-host --test fuzz`. A failing case is shrunk and saved
-//! by proptest under `host/tests/proptest-regressions/` (commit it); each finding also becomes a
-//! named test at the end of this file.
+//! `KIMI_FUZZ_CASES=20000 cargo test -p kimi-host --test suite fuzz::`. A failing case is shrunk
+//! and its seed saved by proptest in `fuzz.proptest-regressions` beside this file (commit it);
+//! each finding also becomes a named test at the end of this file.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -20,7 +20,7 @@ use kimi_host::model::Model;
 use kimi_host::model::checkpoint::{Checkpoint, parse_weight_map};
 use kimi_host::model::config::parse_config;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
-use kimi_host::plugins::bindings::host::kimi::host::types::{RequestInfo, Segment as WitSegment};
+use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
 use kimi_host::plugins::builtin::builtin;
 use kimi_host::plugins::{PluginEnv, PluginError, PluginRuntime, RuntimeOptions, TemplatePlugin, TenantServices};
 use kimi_host::server::bounds;
@@ -594,12 +594,7 @@ proptest! {
         if let Ok(r) = r {
             let segs: Vec<Segment> = r
                 .segments
-                .into_iter()
-                .map(|s| match s {
-                    WitSegment::Text(t) => Segment::Text(t),
-                    WitSegment::Special(n) => Segment::Special(n),
-                })
-                .collect();
+                .into_iter().map(Segment::from).collect();
             // Every special the template emits exists, and text never turns into one.
             let tok = kimi_tokenizer();
             let ids = tok.encode_segments(&segs).map_err(|e| TestCaseError::fail(e.to_string()))?;

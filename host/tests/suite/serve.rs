@@ -2,7 +2,7 @@
 //! one with a state pool that holds two sequences), driven by `tests/python/openai_suite.py`
 //! through the official `openai` package, installed into a virtualenv by this test.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -16,24 +16,21 @@ use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::server::config::key_hash;
 
 /// A virtualenv with the pinned client packages (created once per target directory).
-fn python() -> PathBuf {
+/// None: PyPI is unreachable and the calling test is skipped (with a message).
+fn python() -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let py = venv.join("bin/python");
     let marker = venv.join(".installed-v1");
     if !marker.exists() {
         run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv));
-        run(Command::new(&py).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "openai==1.109.1",
-            "httpx==0.28.1",
-            "jsonschema==4.23.0",
-        ]));
+        let mut pip = Command::new(&py);
+        pip.args(["-m", "pip", "install", "--quiet", "openai==1.109.1", "httpx==0.28.1", "jsonschema==4.23.0"]);
+        if !common::pip_install_or_skip("the openai client suite", &mut pip) {
+            return None;
+        }
         std::fs::write(&marker, "").expect("marker");
     }
-    py
+    Some(py)
 }
 
 fn free_port() -> SocketAddr {
@@ -136,7 +133,7 @@ fn openai_client_against_kimi_host_serve() {
     let tok = kimi_host::tokenizer::Tokenizer::load(&model).expect("tokenizer");
     let stops: Vec<String> =
         ["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| tok.special_id(n)).map(|i| i.to_string()).collect();
-    let py = python();
+    let Some(py) = python() else { return };
     let wasm = build_custom_sampler();
     let _a = start(&main_cfg, main, &dir.path().join("main.log"));
     let _b = start(&small_cfg, small, &dir.path().join("small.log"));

@@ -1,7 +1,7 @@
 //! The Kimi-K3 output parser (`kimi-xtml::parse`): rendering an assistant message with tool calls
 //! and parsing it back gives the same calls; any chunking of the stream gives the same result.
 
-mod common;
+use crate::common;
 
 use kimi_host::tokenizer::Tokenizer;
 use kimi_xtml::parse::{Event, OutputParser, ParsedCall, Piece};

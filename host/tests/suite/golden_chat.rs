@@ -1,7 +1,7 @@
 //! The Kimi-K3 chat renderer (`plugins/kimi-xtml`, the template plugin's core) against the release
 //! renderer's goldens: exact segments (with their special / text split) and exact ids.
 
-mod common;
+use crate::common;
 
 use kimi_host::tokenizer::{Segment as TokSegment, Tokenizer};
 use kimi_xtml::{RenderOptions, Segment, render};

@@ -1,7 +1,7 @@
 //! The native grammar engine (llguidance) over the real Kimi vocabulary: every token chosen
 //! under its masks yields output that satisfies the constraint.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

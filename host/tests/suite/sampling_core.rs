@@ -2,7 +2,7 @@
 //! and empirical distributions against brute force (chi-square). The same code runs inside the
 //! `sampler-standard` plugin (see `plugins.rs` for the plugin-side chi-square test).
 
-mod common;
+use crate::common;
 
 use kimi_sampling_core::{Params, SeqState, SliceLogits, top_k};
 

@@ -2,7 +2,7 @@
 //! llguidance's internal form) against llguidance's own front ends and an independent JSON
 //! Schema validator, on the real Kimi vocabulary.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! The plugin platform: sandbox limits with hostile components, tenant isolation, and the
 //! standard sampler's correctness (determinism, greedy, exact distributions).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

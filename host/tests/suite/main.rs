@@ -1,0 +1,26 @@
+//! The integration tests, as one binary: a module per area (one link of wasmtime, llguidance and
+//! axum instead of one per file). `cargo test -p kimi-host --test suite <filter>` runs a part, e.g.
+//! `hardening::` or `fuzz::`.
+
+mod common;
+
+mod chat_parser;
+mod cli;
+mod constrained;
+mod engine;
+mod examples;
+mod fuzz;
+mod golden_chat;
+mod golden_model;
+mod golden_mxfp4;
+mod golden_tokenizer;
+mod grammar;
+mod grammar_direct;
+mod hardening;
+mod loading;
+mod plugins;
+mod policies;
+mod sampling_core;
+mod serve;
+mod template_plugin;
+mod tokenizer_stream;
