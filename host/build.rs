@@ -1,5 +1,7 @@
 //! Builds the standard plugins (`../plugins`, a wasm32-wasip2 workspace) and leaves the
-//! components in OUT_DIR, where `src/plugins/builtin.rs` embeds them as `builtin:<name>`.
+//! components in OUT_DIR, where `src/plugins/builtin.rs` embeds them as `builtin:<name>`. The
+//! deliberately misbehaving `test_hostile.wasm` is built too but embedded only by the tests
+//! (`tests/suite/common`); `bench soak` reads it from the plugins' target directory.
 
 use std::path::PathBuf;
 use std::process::Command;

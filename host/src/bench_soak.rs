@@ -122,6 +122,8 @@ pub struct SoakReport {
     pub drain_streams_ended_with_reason: usize,
     pub drain_streams: usize,
     pub exit_after_sigterm_s: f64,
+    /// Whether the misbehaving-plugin tenant took part (`--hostile`).
+    pub hostile_tenant: bool,
     /// Every check that failed; empty when the soak passed.
     pub violations: Vec<String>,
     /// Examples of what went wrong (the first few), for debugging.
@@ -531,7 +533,14 @@ async fn get_json(addr: SocketAddr, path: &str, key: Option<&str>) -> Result<(u1
 }
 
 /// Runs the soak; `Err` only when it could not run at all (violations are in the report).
-pub async fn soak(duration: Duration, concurrency: usize, seed: u64) -> Result<SoakReport, String> {
+/// `hostile`: a misbehaving sampler component for the second tenant (`test_hostile.wasm`); without
+/// one, that tenant's scenarios are left out (and the report says so).
+pub async fn soak(
+    duration: Duration,
+    concurrency: usize,
+    seed: u64,
+    hostile: Option<Vec<u8>>,
+) -> Result<SoakReport, String> {
     let model = crate::server::embedded::ensure_model()?;
     let dir = ScratchDir::new()?;
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
@@ -558,13 +567,20 @@ pub async fn soak(duration: Duration, concurrency: usize, seed: u64) -> Result<S
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let pid = server.child.id();
-    let hostile = base64::engine::general_purpose::STANDARD.encode(crate::plugins::builtin::TEST_HOSTILE);
-    let upload = json!({"kind": "sampler", "name": "hostile", "component": hostile}).to_string();
-    let first = send(addr, "POST", "/v1/plugins", Some(MALLORY_KEY), upload.as_bytes(), Leave::Never).await;
-    if !matches!(first, Outcome::Answered { status: 201, .. }) {
-        return Err(format!("uploading the misbehaving sampler failed: {first:?}"));
-    }
+    let hostile = match hostile {
+        Some(bytes) => {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+            let upload = json!({"kind": "sampler", "name": "hostile", "component": b64}).to_string();
+            let first = send(addr, "POST", "/v1/plugins", Some(MALLORY_KEY), upload.as_bytes(), Leave::Never).await;
+            if !matches!(first, Outcome::Answered { status: 201, .. }) {
+                return Err(format!("uploading the misbehaving sampler failed: {first:?}"));
+            }
+            Some(b64)
+        }
+        None => None,
+    };
 
+    let hostile_used = hostile.is_some();
     let tally = Arc::new(Mutex::new(Tally {
         counts: BTreeMap::new(),
         answered: BTreeMap::new(),
@@ -584,7 +600,8 @@ pub async fn soak(duration: Duration, concurrency: usize, seed: u64) -> Result<S
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(w as u64 + 1) | 1);
             while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
                 let sc = pick(&mut rng);
-                let out = run_one(addr, "soak", sc, &mut rng, &hostile).await;
+                let Some(hostile) = hostile.as_deref().or(sc.tenant().eq("acme").then_some("")) else { continue };
+                let out = run_one(addr, "soak", sc, &mut rng, hostile).await;
                 tally.lock().record(sc, out);
             }
         }));
@@ -770,6 +787,7 @@ pub async fn soak(duration: Duration, concurrency: usize, seed: u64) -> Result<S
         drain_streams_ended_with_reason: ended,
         drain_streams: drain_n,
         exit_after_sigterm_s: exit_after,
+        hostile_tenant: hostile_used,
         violations,
         examples: tally.examples,
     })
@@ -777,6 +795,9 @@ pub async fn soak(duration: Duration, concurrency: usize, seed: u64) -> Result<S
 
 pub fn print(r: &SoakReport) {
     println!("soak: {:.1} s, {} clients", r.duration_s, r.concurrency);
+    if !r.hostile_tenant {
+        println!("(no misbehaving plugin given: the second tenant's scenarios were left out; pass --hostile FILE)");
+    }
     println!("{:<20} {:>6} {:>6} {:>6} {:>6}  statuses", "scenario", "sent", "left", "unansw", "bad");
     for (name, c) in &r.scenarios {
         let statuses: Vec<String> = c.statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect();

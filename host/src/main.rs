@@ -220,6 +220,10 @@ enum BenchCommand {
         concurrency: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// A misbehaving sampler component for the second tenant (default: the test plugin the
+        /// build leaves in `plugins/target/wasm32-wasip2/release/test_hostile.wasm`, if present).
+        #[arg(long)]
+        hostile: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -492,12 +496,19 @@ fn main() -> Result<()> {
                 kimi_host::bench_serve::print(&rows);
             }
         }
-        Command::Bench(BenchCommand::Soak { duration, concurrency, seed, json }) => {
+        Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
+            let built =
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release/test_hostile.wasm");
+            let hostile = match hostile {
+                Some(p) => Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?),
+                None => std::fs::read(&built).ok(),
+            };
             let report = runtime()?
                 .block_on(kimi_host::bench_soak::soak(
                     std::time::Duration::from_secs(duration),
                     concurrency.max(1),
                     seed,
+                    hostile,
                 ))
                 .map_err(anyhow::Error::msg)?;
             if json {

@@ -9,9 +9,6 @@ pub const BUILTINS: &[(&str, &[u8])] = &[
     ("grammar-kimi-k3", include_bytes!(concat!(env!("OUT_DIR"), "/grammar_kimi_k3.wasm"))),
 ];
 
-/// Test-only component that misbehaves on request (loops, hoards memory, panics, bad ids).
-pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_hostile.wasm"));
-
 /// Bytes of `builtin:<name>` (or of `<name>`).
 pub fn builtin(name: &str) -> Option<&'static [u8]> {
     let name = name.strip_prefix("builtin:").unwrap_or(name);

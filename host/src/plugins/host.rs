@@ -262,6 +262,9 @@ pub struct HostState {
     pub plugin: String,
     pub tenant_name: String,
     pub step: StepView,
+    /// Set by the resource limiter when the guest asked for memory past its cap: how a failed
+    /// call is told apart as out-of-memory (not by its error text).
+    pub memory_cap_hit: bool,
 }
 
 impl HostState {
@@ -280,13 +283,18 @@ impl HostState {
             plugin: plugin.to_string(),
             tenant_name: tenant_name.to_string(),
             step: StepView::default(),
+            memory_cap_hit: false,
         }
     }
 }
 
 impl ResourceLimiter for HostState {
     fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
-        self.limits.memory_growing(current, desired, maximum)
+        let r = self.limits.memory_growing(current, desired, maximum);
+        if !matches!(r, Ok(true)) {
+            self.memory_cap_hit = true;
+        }
+        r
     }
 
     fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {

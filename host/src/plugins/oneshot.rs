@@ -78,7 +78,7 @@ impl<P> OneShot<P> {
                 self.health.record_success();
                 Ok((v, b, store))
             }
-            Err(e) => Err(self.health.failed(call_error(&self.name, &self.limits, e))),
+            Err(e) => Err(self.health.failed(call_error(&self.name, &self.limits, e, store.data()))),
         }
     }
 }

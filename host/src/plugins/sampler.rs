@@ -63,11 +63,12 @@ impl SamplerPlugin {
         tenant_name: &str,
     ) -> Result<SamplerInstance, PluginError> {
         let mut store = self.runtime.store(PluginKind::Sampler, self.limits, env, tenant, tenant_name, &self.name);
-        let bindings = self.pre.instantiate(&mut store).map_err(|e| call_error(&self.name, &self.limits, e))?;
+        let bindings =
+            self.pre.instantiate(&mut store).map_err(|e| call_error(&self.name, &self.limits, e, store.data()))?;
         let caps = bindings
             .kimi_host_sampler_plugin()
             .call_describe(&mut store)
-            .map_err(|e| call_error(&self.name, &self.limits, e))?;
+            .map_err(|e| call_error(&self.name, &self.limits, e, store.data()))?;
         Ok(SamplerInstance {
             name: self.name.clone(),
             store,
@@ -93,15 +94,16 @@ pub struct SamplerInstance {
     last_call: std::time::Duration,
 }
 
-/// Maps a wasmtime error from a call to a plugin error naming the plugin.
-pub fn call_error(plugin: &str, limits: &KindLimits, e: wasmtime::Error) -> PluginError {
+/// Maps a wasmtime error from a call to a plugin error naming the plugin. `state`: the store's
+/// host state, whose limiter recorded whether the guest ran into its memory cap.
+pub fn call_error(plugin: &str, limits: &KindLimits, e: wasmtime::Error, state: &HostState) -> PluginError {
     if let Some(trap) = e.downcast_ref::<wasmtime::Trap>()
         && *trap == wasmtime::Trap::Interrupt
     {
         return PluginError::Timeout { plugin: plugin.to_string(), ms: limits.call.as_millis() };
     }
     let msg = format!("{e:#}");
-    if msg.contains("forcing trap when growing memory") {
+    if state.memory_cap_hit {
         return PluginError::OutOfMemory { plugin: plugin.to_string(), mib: limits.memory_bytes >> 20 };
     }
     PluginError::Trap { plugin: plugin.to_string(), msg: first_line(&msg) }
@@ -136,7 +138,7 @@ impl SamplerInstance {
     fn guard<T>(&mut self, r: wasmtime::Result<T>) -> Result<T, PluginError> {
         r.map_err(|e| {
             self.poisoned = true;
-            call_error(&self.name, &self.limits, e)
+            call_error(&self.name, &self.limits, e, self.store.data())
         })
     }
 

@@ -88,7 +88,7 @@ impl OutputParser {
             Ok(r) => r.map_err(|e| guest_error(&self.name, e)),
             Err(e) => {
                 self.poisoned = true;
-                Err(call_error(&self.name, &self.limits, e))
+                Err(call_error(&self.name, &self.limits, e, self.store.data()))
             }
         }
     }

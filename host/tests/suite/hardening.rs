@@ -375,14 +375,18 @@ fn replicas_share_one_rate_limit_through_redis() {
 #[test]
 fn the_soak_under_faults_passes() {
     let secs = std::env::var("KIMI_SOAK_SECS").unwrap_or_else(|_| "60".into());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hostile = dir.path().join("hostile.wasm");
+    std::fs::write(&hostile, common::TEST_HOSTILE).expect("write");
     let out = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
-        .args(["bench", "soak", "--duration", &secs, "--concurrency", "6"])
+        .args(["bench", "soak", "--duration", &secs, "--concurrency", "6", "--hostile"])
+        .arg(&hostile)
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("run the soak");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the soak failed:\n{text}");
-    assert!(text.contains("PASS"), "{text}");
+    assert!(text.contains("PASS") && text.contains("HostileSampler"), "{text}");
 }
 
 /// A stream that waits in the queue sends SSE keep-alive comments (`[http] sse_keepalive_ms`), so

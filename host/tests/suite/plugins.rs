@@ -6,8 +6,9 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::TEST_HOSTILE;
 use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
-use kimi_host::plugins::builtin::{TEST_HOSTILE, builtin};
+use kimi_host::plugins::builtin::builtin;
 use kimi_host::plugins::{
     KindLimits, PluginEnv, PluginError, PluginKind, PluginRuntime, RuntimeOptions, SamplerPlugin, TenantSampler,
     TenantServices,

@@ -6,6 +6,10 @@
 use std::path::PathBuf;
 
 use kimi_host::model::checkpoint::{Checkpoint, Dtype};
+
+/// A sampler that misbehaves on request (loops, hoards memory, panics, bad ids, floods the log);
+/// built by `host/build.rs`, embedded only here, never in the release binary.
+pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_hostile.wasm"));
 use serde_json::Value;
 
 /// `../shared/golden` from the repository root (override with `KIMI_GOLDEN_DIR`).
