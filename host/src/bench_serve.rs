@@ -10,8 +10,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::engine::{GenRequest, SamplingSpec, SeqEvent};
-use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
+use crate::engine::{GenRequest, SamplerRequest, SamplingSpec, SeqEvent};
 use crate::server::AppState;
 use crate::server::tenants::LoadedPlugin;
 
@@ -144,7 +143,7 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> Resul
             sampler,
             params_json: r#"{"temperature": 1.0}"#.into(),
             seed: i as u64,
-            info: RequestInfo {
+            info: SamplerRequest {
                 tenant: tenant.name.clone(),
                 request_id: format!("bench-{i}"),
                 model: state.model_name.clone(),

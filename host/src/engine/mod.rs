@@ -8,6 +8,7 @@
 //! The HTTP server and the in-process API (`Engine::submit`) share this one engine.
 
 pub mod pool;
+pub mod sampler;
 mod step;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -19,9 +20,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::grammar::ConstraintMatcher;
 use crate::model::Model;
-use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
-use crate::plugins::{PluginError, TenantSampler};
 use pool::{StatePool, StateShape};
+pub use sampler::{Sampler, SamplerError, SamplerErrorKind, SamplerRequest, SamplerSeq, SharedSampler};
 
 /// Scheduler limits, fixed at start-up.
 #[derive(Clone, Debug)]
@@ -78,12 +78,12 @@ impl Default for EngineConfig {
 
 /// How a request's tokens are chosen.
 pub struct SamplingSpec {
-    pub sampler: Arc<Mutex<TenantSampler>>,
+    pub sampler: SharedSampler,
     /// The request's sampling parameters as JSON (OpenAI names), for the plugin.
     pub params_json: String,
     /// Sequence `i` of the request is seeded with `seed + i`.
     pub seed: u64,
-    pub info: RequestInfo,
+    pub info: SamplerRequest,
 }
 
 /// One generation request: `n` sequences continuing the same prompt.
@@ -145,7 +145,7 @@ pub enum EngineError {
     #[error("the server is shutting down")]
     ShuttingDown,
     #[error("{0}")]
-    Plugin(#[from] PluginError),
+    Sampler(#[from] SamplerError),
     #[error("model: {0}")]
     Model(String),
     #[error("constraint: {0}")]

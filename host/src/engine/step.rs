@@ -4,27 +4,27 @@
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::pool::{Reservation, StatePool};
+use super::sampler::{SamplerError, SamplerSeq, SharedSampler};
 use super::{
     Command, EngineConfig, EngineError, EngineStats, FaultPoint, FinishReason, GenRequest, Pending, SeqEvent,
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
 use crate::model::{LogitsFor, Model, SequenceState};
-use crate::plugins::{PluginError, SeqHandle, TenantSampler};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
 struct Seq {
     index: usize,
     state: SequenceState,
-    sampler_seq: Option<SeqHandle>,
+    sampler_seq: Option<SamplerSeq>,
     matcher: Option<ConstraintMatcher>,
     generated: usize,
     /// The token to feed next (None until the first one is sampled).
@@ -38,7 +38,6 @@ struct Running {
     tx: UnboundedSender<SeqEvent>,
     cancel: Arc<Vec<AtomicBool>>,
     reservation: Reservation,
-    sampler_generation: u64,
     /// Prompt tokens already prefilled into `seqs[0].state`.
     prefilled: usize,
     seqs: Vec<Seq>,
@@ -181,12 +180,9 @@ impl Worker {
     /// Gives back a finished or abandoned request's state and sampler sequences.
     fn free(&mut self, mut r: Running) {
         let mut sampler = r.req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
-        let same = sampler.generation() == r.sampler_generation;
         for s in &mut r.seqs {
-            if let (Some(h), true) = (s.sampler_seq.take(), same)
-                && let Ok(inst) = sampler.instance()
-            {
-                let _ = inst.drop_sequence(h);
+            if let Some(h) = s.sampler_seq.take() {
+                sampler.close(h);
             }
         }
         drop(sampler);
@@ -260,50 +256,43 @@ impl Worker {
     #[allow(clippy::result_large_err)]
     fn start(&self, p: Pending, res: Reservation) -> Result<Running, (UnboundedSender<SeqEvent>, EngineError)> {
         let Pending { req, tx, cancel, .. } = p;
-        let mut seqs = Vec::with_capacity(req.n);
-        let generation;
+        let mut handles = Vec::with_capacity(req.n);
         {
             let mut sampler = req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
-            let created: Result<Vec<SeqHandle>, PluginError> = (|| {
-                let inst = sampler.instance()?;
-                let mut hs = Vec::with_capacity(req.n);
-                for i in 0..req.n {
-                    let h = inst.create_sequence(
-                        &req.sampling.info,
-                        &req.sampling.params_json,
-                        req.sampling.seed.wrapping_add(i as u64),
-                    )?;
-                    inst.accept(&h, &req.prompt)?;
-                    hs.push(h);
+            for i in 0..req.n {
+                let seed = req.sampling.seed.wrapping_add(i as u64);
+                match sampler.open(&req.sampling.info, &req.sampling.params_json, seed, &req.prompt) {
+                    Ok(h) => handles.push(h),
+                    Err(e) => {
+                        for h in handles {
+                            sampler.close(h);
+                        }
+                        return Err((tx, EngineError::Sampler(e)));
+                    }
                 }
-                Ok(hs)
-            })();
-            let created = sampler.judge(created);
-            let handles = match created {
-                Ok(h) => h,
-                Err(e) => return Err((tx, EngineError::Plugin(e))),
-            };
-            generation = sampler.generation();
-            for (i, h) in handles.into_iter().enumerate() {
-                seqs.push(Seq {
-                    index: i,
-                    // Only sequence 0 is prefilled; the others copy its state afterwards.
-                    state: if i == 0 {
-                        let mut st = self.model.new_state();
-                        st.reserve_tokens(req.prompt.len() + req.max_tokens);
-                        st
-                    } else {
-                        SequenceState { layers: Vec::new(), len: 0 }
-                    },
-                    sampler_seq: Some(h),
-                    matcher: req.constraint.clone(),
-                    generated: 0,
-                    next: None,
-                    done: false,
-                });
             }
         }
-        Ok(Running { req, tx, cancel, reservation: res, sampler_generation: generation, prefilled: 0, seqs })
+        let seqs = handles
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| Seq {
+                index: i,
+                // Only sequence 0 is prefilled; the others copy its state afterwards.
+                state: if i == 0 {
+                    let mut st = self.model.new_state();
+                    st.reserve_tokens(req.prompt.len() + req.max_tokens);
+                    st
+                } else {
+                    SequenceState { layers: Vec::new(), len: 0 }
+                },
+                sampler_seq: Some(h),
+                matcher: req.constraint.clone(),
+                generated: 0,
+                next: None,
+                done: false,
+            })
+            .collect();
+        Ok(Running { req, tx, cancel, reservation: res, prefilled: 0, seqs })
     }
 
     /// One scheduling step.
@@ -481,7 +470,7 @@ impl Worker {
         }
 
         // Group rows by sampler (tenant + plugin): one batched call each.
-        let mut groups: Vec<(Arc<Mutex<TenantSampler>>, Vec<usize>)> = Vec::new();
+        let mut groups: Vec<(SharedSampler, Vec<usize>)> = Vec::new();
         for (k, row) in rows.iter().enumerate() {
             let r = &self.running[row.run];
             if r.seqs[row.seq].done {
@@ -495,56 +484,24 @@ impl Worker {
         }
         let mut chosen: Vec<Option<Result<u32, EngineError>>> = (0..rows.len()).map(|_| None).collect();
         for (sampler, members) in groups {
-            let mut sampler = sampler.lock().unwrap_or_else(|e| e.into_inner());
-            let result = sampler.instance().map(|_| ());
-            let generation = sampler.generation();
-            if let Err(e) = result {
-                for &k in &members {
-                    chosen[k] = Some(Err(EngineError::Plugin(e.clone())));
-                }
-                continue;
-            }
-            // Sequences of a replaced instance lost their sampler state.
-            let (live, stale): (Vec<usize>, Vec<usize>) =
-                members.into_iter().partition(|&k| self.running[rows[k].run].sampler_generation == generation);
-            for k in stale {
-                chosen[k] = Some(Err(EngineError::Plugin(PluginError::Runtime(format!(
-                    "sampler `{}` was restarted after a failure; this sequence's sampler state is gone",
-                    sampler.plugin.name
-                )))));
-            }
-            if live.is_empty() {
-                continue;
-            }
-            let health = sampler.health.clone();
-            let out = {
-                let Ok(inst) = sampler.instance() else { continue };
-                let batch: Vec<(&SeqHandle, &[f32])> = live
-                    .iter()
-                    .filter_map(|&k| {
-                        let row = &rows[k];
-                        let h = self.running[row.run].seqs[row.seq].sampler_seq.as_ref()?;
-                        Some((h, row.logits.as_slice()))
-                    })
-                    .collect();
-                if batch.len() != live.len() {
-                    Err(PluginError::Runtime("a sequence has no sampler state".into()))
-                } else {
-                    inst.sample(&batch, Some(&health))
-                }
+            let batch: Vec<(SamplerSeq, &[f32])> = members
+                .iter()
+                .filter_map(|&k| {
+                    let row = &rows[k];
+                    Some((self.running[row.run].seqs[row.seq].sampler_seq?, row.logits.as_slice()))
+                })
+                .collect();
+            let results = if batch.len() == members.len() {
+                sampler.lock().unwrap_or_else(|e| e.into_inner()).sample(&batch)
+            } else {
+                Vec::new()
             };
-            match sampler.judge(out) {
-                Ok(results) => {
-                    for (&k, r) in live.iter().zip(results) {
-                        let r = sampler.judge(r);
-                        chosen[k] = Some(r.map_err(EngineError::Plugin));
-                    }
-                }
-                Err(e) => {
-                    for &k in &live {
-                        chosen[k] = Some(Err(EngineError::Plugin(e.clone())));
-                    }
-                }
+            let mut results = results.into_iter();
+            for &k in &members {
+                let r = results
+                    .next()
+                    .unwrap_or_else(|| Err(SamplerError::internal("the sampler gave no token for this sequence")));
+                chosen[k] = Some(r.map_err(EngineError::Sampler));
             }
         }
 
@@ -593,11 +550,8 @@ impl Worker {
             s.next = Some(token);
             {
                 let r = &self.running[row.run];
-                let mut sampler = r.req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
-                if sampler.generation() == r.sampler_generation
-                    && let (Some(h), Ok(inst)) = (r.seqs[row.seq].sampler_seq.as_ref(), sampler.instance())
-                {
-                    let _ = inst.accept(h, &[token]);
+                if let Some(h) = r.seqs[row.seq].sampler_seq {
+                    r.req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner()).accept(h, token);
                 }
             }
             let r = &mut self.running[row.run];

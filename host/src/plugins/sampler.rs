@@ -14,6 +14,7 @@ use super::error::PluginError;
 use super::health::PluginHealth;
 use super::host::{HostState, PluginEnv, StepLogits, TenantServices, row_candidates_and_stats};
 use super::runtime::{CompiledPlugin, KindLimits, PluginKind, PluginRuntime, set_deadline};
+use crate::engine::{Sampler as EngineSampler, SamplerError, SamplerErrorKind, SamplerRequest, SamplerSeq};
 
 /// A loaded sampler component, ready to instantiate cheaply.
 pub struct SamplerPlugin {
@@ -285,6 +286,9 @@ pub struct TenantSampler {
     instance: Option<SamplerInstance>,
     /// Bumped for every new instance: sequence handles from an older one are void.
     generation: u64,
+    /// The engine's open sequences: the instance generation that holds each, and its handle.
+    open: std::collections::HashMap<u64, (u64, SeqHandle)>,
+    next_seq: u64,
 }
 
 impl TenantSampler {
@@ -297,6 +301,8 @@ impl TenantSampler {
             tenant: tenant.to_string(),
             instance: None,
             generation: 0,
+            open: std::collections::HashMap::new(),
+            next_seq: 0,
         }
     }
 
@@ -337,5 +343,117 @@ impl TenantSampler {
             }
             Err(e) => Err(self.health.failed(e)),
         }
+    }
+}
+
+/// A plugin failure as the engine's sampler error (which decides the HTTP status).
+fn sampler_error(e: PluginError) -> SamplerError {
+    let kind = match &e {
+        PluginError::Guest { client: true, .. } => SamplerErrorKind::Request,
+        PluginError::RequestTooLarge { .. } => SamplerErrorKind::TooLarge,
+        PluginError::Disabled { .. } => SamplerErrorKind::Disabled,
+        _ => SamplerErrorKind::Internal,
+    };
+    SamplerError { kind, message: e.to_string() }
+}
+
+impl TenantSampler {
+    /// The live instance if it is the one that holds `seq` (never a fresh one: a new instance
+    /// has none of the old one's sequences).
+    fn holder(&mut self, seq: SamplerSeq) -> Option<(&mut SamplerInstance, SeqHandle)> {
+        let (generation, h) = self.open.get(&seq.0)?;
+        let h = SeqHandle(h.0);
+        let inst = self.instance.as_mut().filter(|i| !i.is_poisoned() && *generation == self.generation)?;
+        Some((inst, h))
+    }
+}
+
+impl EngineSampler for TenantSampler {
+    fn name(&self) -> &str {
+        &self.plugin.name
+    }
+
+    fn open(
+        &mut self,
+        req: &SamplerRequest,
+        params_json: &str,
+        seed: u64,
+        prompt: &[u32],
+    ) -> Result<SamplerSeq, SamplerError> {
+        let info = RequestInfo {
+            tenant: req.tenant.clone(),
+            request_id: req.request_id.clone(),
+            model: req.model.clone(),
+            params_json: req.params_json.clone(),
+        };
+        let created = (|| {
+            let inst = self.instance()?;
+            let h = inst.create_sequence(&info, params_json, seed)?;
+            inst.accept(&h, prompt)?;
+            Ok(h)
+        })();
+        let h = self.judge(created).map_err(sampler_error)?;
+        self.next_seq += 1;
+        self.open.insert(self.next_seq, (self.generation, h));
+        Ok(SamplerSeq(self.next_seq))
+    }
+
+    fn sample(&mut self, rows: &[(SamplerSeq, &[f32])]) -> Vec<Result<u32, SamplerError>> {
+        let all = |e: SamplerError| rows.iter().map(|_| Err(e.clone())).collect();
+        if let Err(e) = self.instance() {
+            return all(sampler_error(e));
+        }
+        let generation = self.generation;
+        // Sequences of a replaced instance lost their sampler state.
+        let mut out: Vec<Option<Result<u32, SamplerError>>> = vec![None; rows.len()];
+        let mut live = Vec::with_capacity(rows.len());
+        for (k, (seq, logits)) in rows.iter().enumerate() {
+            match self.open.get(&seq.0) {
+                Some((g, h)) if *g == generation => live.push((k, SeqHandle(h.0), *logits)),
+                _ => {
+                    out[k] = Some(Err(SamplerError::internal(format!(
+                        "sampler `{}` was restarted after a failure; this sequence's sampler state is gone",
+                        self.plugin.name
+                    ))))
+                }
+            }
+        }
+        if !live.is_empty() {
+            let health = self.health.clone();
+            let batch: Vec<(&SeqHandle, &[f32])> = live.iter().map(|(_, h, l)| (h, *l)).collect();
+            let r = match self.instance() {
+                Ok(inst) => inst.sample(&batch, Some(&health)),
+                Err(e) => Err(e),
+            };
+            match self.judge(r) {
+                Ok(results) => {
+                    for ((k, _, _), r) in live.iter().zip(results) {
+                        out[*k] = Some(self.judge(r).map_err(sampler_error));
+                    }
+                }
+                Err(e) => {
+                    let e = sampler_error(e);
+                    for (k, _, _) in &live {
+                        out[*k] = Some(Err(e.clone()));
+                    }
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(SamplerError::internal("the sampler gave no token for this sequence"))))
+            .collect()
+    }
+
+    fn accept(&mut self, seq: SamplerSeq, token: u32) {
+        if let Some((inst, h)) = self.holder(seq) {
+            let _ = inst.accept(&h, &[token]);
+        }
+    }
+
+    fn close(&mut self, seq: SamplerSeq) {
+        if let Some((inst, h)) = self.holder(seq) {
+            let _ = inst.drop_sequence(h);
+        }
+        self.open.remove(&seq.0);
     }
 }

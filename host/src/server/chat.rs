@@ -17,7 +17,10 @@ use tokio::sync::mpsc;
 use super::openai::{ApiError, GenParams, gen_params, new_id, unix_now};
 use super::tenants::{InFlight, LoadedPlugin, Tenant};
 use super::{Shared, json_object};
-use crate::engine::{EngineError, FinishReason, GenHandle, GenRequest, SamplingSpec, SeqEvent, TokenLogprob};
+use crate::engine::{
+    EngineError, FinishReason, GenHandle, GenRequest, SamplerError, SamplerErrorKind, SamplerRequest, SamplingSpec,
+    SeqEvent, TokenLogprob,
+};
 use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
 use crate::plugins::{GrammarRequest, OutputEvent, OutputParser, PluginError, RequestMeta, TemplatePlugin};
 use crate::tokenizer::stream::StreamDecoder;
@@ -66,12 +69,25 @@ pub fn plugin_error(e: PluginError) -> ApiError {
     }
 }
 
+/// A sampler's failure, by the kind the engine reports.
+fn sampler_error(e: SamplerError) -> ApiError {
+    match e.kind {
+        SamplerErrorKind::Request => ApiError::bad(e.message),
+        SamplerErrorKind::TooLarge => ApiError { code: Some("request_too_large"), ..ApiError::bad(e.message) },
+        SamplerErrorKind::Disabled => ApiError {
+            code: Some("plugin_disabled"),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.message)
+        },
+        SamplerErrorKind::Internal => ApiError::internal(e.message),
+    }
+}
+
 fn engine_error(e: EngineError) -> ApiError {
     match e {
         EngineError::PoolTimeout(_) | EngineError::QueueFull => ApiError::busy(e.to_string(), 1),
         EngineError::TooLarge { .. } | EngineError::Invalid(_) => ApiError::bad(e.to_string()),
         EngineError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string()),
-        EngineError::Plugin(p) => plugin_error(p),
+        EngineError::Sampler(e) => sampler_error(e),
         EngineError::Model(_) | EngineError::Constraint(_) | EngineError::Fault(_) => ApiError::internal(e.to_string()),
     }
 }
@@ -402,7 +418,17 @@ fn prepare(
             n: p.n,
             stop_tokens,
             constraint,
-            sampling: SamplingSpec { sampler, params_json: p.sampling_json.clone(), seed, info },
+            sampling: SamplingSpec {
+                sampler,
+                params_json: p.sampling_json.clone(),
+                seed,
+                info: SamplerRequest {
+                    tenant: info.tenant,
+                    request_id: info.request_id,
+                    model: info.model,
+                    params_json: info.params_json,
+                },
+            },
             logprobs: p.logprobs,
         },
         template,

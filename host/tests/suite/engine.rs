@@ -7,10 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kimi_host::engine::pool::StateShape;
-use kimi_host::engine::{Engine, EngineConfig, EngineError, FinishReason, GenRequest, SamplingSpec, SeqEvent};
+use kimi_host::engine::{
+    Engine, EngineConfig, EngineError, FinishReason, GenRequest, SamplerRequest, SamplingSpec, SeqEvent,
+};
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
-use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
 use kimi_host::plugins::builtin::builtin;
 use kimi_host::plugins::{PluginEnv, PluginRuntime, RuntimeOptions, SamplerPlugin, TenantSampler, TenantServices};
 
@@ -43,7 +44,7 @@ fn request(f: &Fixture, prompt: Vec<u32>, max_tokens: usize, n: usize, params: &
             sampler: f.sampler.clone(),
             params_json: params.into(),
             seed: 42,
-            info: RequestInfo {
+            info: SamplerRequest {
                 tenant: "t".into(),
                 request_id: "r".into(),
                 model: "m".into(),
