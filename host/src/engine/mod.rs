@@ -165,6 +165,15 @@ impl EngineError {
     }
 }
 
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineStartError {
+    #[error(transparent)]
+    Pool(#[from] pool::PoolError),
+    #[error("cannot start the engine thread: {0}")]
+    Thread(std::io::Error),
+}
+
 /// Live counters, read by `/metrics` and tests.
 #[derive(Debug, Default)]
 pub struct EngineStats {
@@ -236,7 +245,7 @@ pub struct Engine {
 
 impl Engine {
     /// Sizes the pool and starts the engine thread.
-    pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Arc<Engine>, String> {
+    pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Arc<Engine>, EngineStartError> {
         let shape = StateShape::of(model.text_config());
         let pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
         let stats = Arc::new(EngineStats::default());
@@ -249,7 +258,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("kimi-engine".into())
             .spawn(move || worker.run(rx))
-            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+            .map_err(EngineStartError::Thread)?;
         Ok(Arc::new(Engine {
             tx: Mutex::new(tx),
             stats,

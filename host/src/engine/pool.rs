@@ -36,6 +36,12 @@ impl StateShape {
     }
 }
 
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PoolError {
+    #[error("state memory budget {budget} B cannot hold one sequence of {tokens} tokens ({need} B)")]
+    TooSmall { budget: usize, tokens: usize, need: usize },
+}
+
 /// What one sequence holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reservation {
@@ -63,12 +69,10 @@ impl StatePool {
         budget_bytes: usize,
         max_seqs: usize,
         min_tokens: usize,
-    ) -> Result<StatePool, String> {
+    ) -> Result<StatePool, PoolError> {
         let need_one = shape.slot_bytes + StateShape::pages_for(min_tokens) * shape.page_bytes;
         if budget_bytes < need_one {
-            return Err(format!(
-                "state memory budget {budget_bytes} B cannot hold one sequence of {min_tokens} tokens ({need_one} B)"
-            ));
+            return Err(PoolError::TooSmall { budget: budget_bytes, tokens: min_tokens, need: need_one });
         }
         let total_slots = max_seqs.min(budget_bytes / shape.slot_bytes.max(1)).max(1);
         let total_pages = budget_bytes / shape.page_bytes.max(1);

@@ -66,6 +66,8 @@ pub enum ServeError {
     Tokenizer { path: PathBuf, msg: String },
     #[error("{0}")]
     Setup(String),
+    #[error("engine: {0}")]
+    Engine(#[from] crate::engine::EngineStartError),
 }
 
 impl AppState {
@@ -109,7 +111,7 @@ impl AppState {
             m.min(model.text_config().max_position_embeddings)
         });
         let has_vision = model.config.vision_config.is_some();
-        let engine = Engine::start(model, cfg.engine.engine_config()?).map_err(ServeError::Setup)?;
+        let engine = Engine::start(model, cfg.engine.engine_config()?)?;
         let model_name = cfg.model_name.clone().unwrap_or_else(|| {
             model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "kimi".into())
         });

@@ -131,20 +131,53 @@ pub fn instantiate(
     })
 }
 
-/// Reads a plugin reference from the config: `builtin:<name>` or a file path.
-pub fn plugin_bytes(reference: &str) -> Result<(String, Vec<u8>), String> {
-    if let Some(name) = reference.strip_prefix("builtin:") {
-        let bytes =
-            crate::plugins::builtin::builtin(name).ok_or_else(|| format!("unknown builtin plugin `{reference}`"))?;
-        return Ok((reference.to_string(), bytes.to_vec()));
-    }
-    let bytes = std::fs::read(reference).map_err(|e| format!("plugin {reference}: {e}"))?;
-    let name = std::path::Path::new(reference)
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| reference.to_string());
-    Ok((name, bytes))
+/// A plugin named in the config: `builtin:<name>` or a path to a component file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PluginRef {
+    Builtin(String),
+    File(std::path::PathBuf),
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginRefError {
+    #[error("unknown builtin plugin `builtin:{0}`")]
+    UnknownBuiltin(String),
+    #[error("plugin {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+}
+
+impl PluginRef {
+    pub fn parse(reference: &str) -> PluginRef {
+        match reference.strip_prefix(BUILTIN_PREFIX) {
+            Some(name) => PluginRef::Builtin(name.to_string()),
+            None => PluginRef::File(reference.into()),
+        }
+    }
+
+    /// The name the tenant knows it by: `builtin:<name>`, or the file's stem.
+    pub fn name(&self) -> String {
+        match self {
+            PluginRef::Builtin(n) => format!("{BUILTIN_PREFIX}{n}"),
+            PluginRef::File(p) => {
+                p.file_stem().map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned())
+            }
+        }
+    }
+
+    pub fn bytes(&self) -> Result<Vec<u8>, PluginRefError> {
+        match self {
+            PluginRef::Builtin(n) => crate::plugins::builtin::builtin(n)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| PluginRefError::UnknownBuiltin(n.clone())),
+            PluginRef::File(p) => {
+                std::fs::read(p).map_err(|source| PluginRefError::Read { path: p.display().to_string(), source })
+            }
+        }
+    }
+}
+
+/// Names starting with this are the builtins'.
+pub const BUILTIN_PREFIX: &str = "builtin:";
 
 impl Tenant {
     pub fn from_config(
@@ -156,11 +189,13 @@ impl Tenant {
         let services = Arc::new(TenantServices::new(&c.name, quotas.clone(), c.quota_store_failure));
         let mut plugins = BTreeMap::new();
         let mut load = |reference: &str, want: PluginKind| -> Result<String, String> {
-            let (name, bytes) = plugin_bytes(reference)?;
+            let r = PluginRef::parse(reference);
+            let name = r.name();
             if plugins.contains_key(&name) {
                 return Ok(name);
             }
-            let builtin = reference.starts_with("builtin:");
+            let bytes = r.bytes().map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let builtin = matches!(r, PluginRef::Builtin(_));
             let mut compiled = runtime.load(&name, &bytes).map_err(|e| format!("tenant `{}`: {e}", c.name))?;
             compiled.trusted = builtin;
             if compiled.kind != want {
@@ -238,10 +273,10 @@ impl Tenant {
     /// operator-configured plugins can be neither replaced nor shadowed.
     pub fn add_upload(&self, entry: PluginEntry) -> Result<(), PluginListError> {
         let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
-        if entry.name.starts_with("builtin:") {
-            return Err(PluginListError::Reserved("names starting with `builtin:` are reserved".into()));
+        if matches!(PluginRef::parse(&entry.name), PluginRef::Builtin(_)) {
+            return Err(PluginListError::Reserved(format!("names starting with `{BUILTIN_PREFIX}` are reserved")));
         }
-        let shadowed = plugins.get(&entry.name).or_else(|| plugins.get(&format!("builtin:{}", entry.name)));
+        let shadowed = plugins.get(&entry.name).or_else(|| plugins.get(&format!("{BUILTIN_PREFIX}{}", entry.name)));
         if let Some(p) = shadowed.filter(|p| p.origin != PluginOrigin::Upload) {
             return Err(PluginListError::Reserved(format!(
                 "`{}` is a {} plugin of this tenant; choose another name",
