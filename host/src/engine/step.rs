@@ -425,8 +425,15 @@ impl Worker {
     fn sample(&mut self, mut rows: Vec<Row>) {
         self.probe(FaultPoint::Sample, &[]);
         rows.retain(|row| self.running.get(row.run).is_some_and(|r| !r.seqs[row.seq].done));
-        // Constrained rows: disallowed tokens to −∞ before the sampler sees them. Masks are
-        // computed for all constrained sequences in parallel (each owns its matcher).
+        let raw = self.mask(&mut rows);
+        let chosen = self.choose(&rows);
+        self.emit(&rows, chosen, raw);
+    }
+
+    /// Constrained rows: disallowed tokens to −∞ before the sampler sees them. Masks are
+    /// computed for all constrained sequences in parallel (each owns its matcher). Returns the
+    /// unmasked rows that logprobs need.
+    fn mask(&mut self, rows: &mut [Row]) -> Vec<Option<Vec<f32>>> {
         let mut failures: Vec<(usize, usize, EngineError)> = Vec::new();
         let mut raw: Vec<Option<Vec<f32>>> = (0..rows.len()).map(|_| None).collect();
         let running = &mut self.running;
@@ -468,8 +475,11 @@ impl Worker {
         for (run, seq, e) in failures {
             self.fail(run, Some(seq), e);
         }
+        raw
+    }
 
-        // Group rows by sampler (tenant + plugin): one batched call each.
+    /// One batched call per sampler (tenant + plugin) for its rows: a token or a failure each.
+    fn choose(&self, rows: &[Row]) -> Vec<Option<Result<u32, EngineError>>> {
         let mut groups: Vec<(SharedSampler, Vec<usize>)> = Vec::new();
         for (k, row) in rows.iter().enumerate() {
             let r = &self.running[row.run];
@@ -504,8 +514,12 @@ impl Worker {
                 chosen[k] = Some(r.map_err(EngineError::Sampler));
             }
         }
+        chosen
+    }
 
-        // Check, accept and emit each token.
+    /// Checks each chosen token against the constraint, feeds it back to the sampler and the
+    /// matcher, and sends it (with logprobs from the unmasked row) and any finish to the client.
+    fn emit(&mut self, rows: &[Row], mut chosen: Vec<Option<Result<u32, EngineError>>>, raw: Vec<Option<Vec<f32>>>) {
         for (k, row) in rows.iter().enumerate() {
             let Some(result) = chosen[k].take() else { continue };
             let token = match result {
