@@ -243,119 +243,12 @@ fn prepare(
     };
     super::bounds::check(&obj, &s.limits)?;
     let body_json = Value::Object(obj.clone()).to_string();
-    let mut template = None;
-    let mut grammar_job = None;
-    let (prompt, stop_tokens) = match ep {
-        Endpoint::Chat => {
-            match obj.get("messages") {
-                Some(Value::Array(a)) if !a.is_empty() => {}
-                Some(Value::Array(_)) => return Err(ApiError::param("messages", "messages must not be empty")),
-                None => return Err(ApiError::param("messages", "messages is required")),
-                Some(v) => {
-                    return Err(ApiError::param(
-                        "messages",
-                        format!("messages must be an array, got {}", super::type_name(v)),
-                    ));
-                }
-            }
-            let t = match pick(tenant, &p.template, &tenant.default_template)? {
-                LoadedPlugin::Template(t) => t,
-                other => {
-                    return Err(ApiError::param(
-                        "plugins",
-                        format!("that plugin is a {} plugin, not a template", other.kind().name()),
-                    ));
-                }
-            };
-            let rendered = t.render(&s.env, &tenant.services, &info, &body_json).map_err(plugin_error)?;
-            let segs: Vec<Segment> = rendered.segments.into_iter().map(Segment::from).collect();
-            let ids = s.tok.encode_segments(&segs).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
-            if let Some(pad) = s.tok.special_id("<|media_pad|>")
-                && ids.contains(&pad)
-            {
-                return Err(ApiError::param(
-                    "messages",
-                    if s.has_vision {
-                        "images are not supported by this server yet (the vision tower is not implemented)"
-                    } else {
-                        "images not supported by this model (the checkpoint has no vision tower)"
-                    },
-                ));
-            }
-            let mut stops: Vec<u32> = rendered.stop_specials.iter().filter_map(|n| s.tok.special_id(n)).collect();
-            if stops.is_empty() {
-                stops = s.env.eos_tokens.clone();
-            }
-            // The constraint: tools, tool_choice, response_format and the thinking budget.
-            let grammar_name = p.grammar.as_deref().or(tenant.default_grammar.as_deref());
-            if let Some(g) = grammar_name {
-                let g = match tenant.plugin(g).map(|e| e.plugin) {
-                    Some(LoadedPlugin::Grammar(g)) => g,
-                    Some(other) => {
-                        return Err(ApiError::param(
-                            "plugins",
-                            format!("`{g}` is a {} plugin, not a grammar", other.kind().name()),
-                        ));
-                    }
-                    None => return Err(ApiError::param("plugins", format!("this tenant has no plugin named `{g}`"))),
-                };
-                let field = |k: &str| obj.get(k).filter(|v| !v.is_null()).map(Value::to_string);
-                let gr = GrammarRequest {
-                    tools_json: field("tools"),
-                    tool_choice_json: field("tool_choice"),
-                    response_format_json: field("response_format"),
-                    thinking_json: Some(thinking_fields(&obj).to_string()),
-                    thinking_budgets: tenant.thinking_budgets.clone(),
-                };
-                // Planned and compiled once the prompt is known to fit (compiling costs more).
-                grammar_job = Some((g, gr));
-            }
-            template = Some(t);
-            (ids, stops)
-        }
-        Endpoint::Completions => {
-            let text = match obj.get("prompt") {
-                Some(Value::String(x)) => x.clone(),
-                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                    a[0].as_str().unwrap_or_default().to_string()
-                }
-                None => return Err(ApiError::param("prompt", "prompt is required")),
-                Some(_) => return Err(ApiError::param("prompt", "prompt must be a string (one prompt per request)")),
-            };
-            // Plain text only: user text never becomes a special token.
-            (s.tok.encode_text(&text), s.env.eos_tokens.clone())
-        }
+    let PromptPlan { ids: prompt, stops: stop_tokens, template, grammar_job } = match ep {
+        Endpoint::Chat => chat_prompt(s, tenant, p, &obj, &info, &body_json)?,
+        Endpoint::Completions => completion_prompt(s, &obj)?,
     };
-    if prompt.is_empty() {
-        return Err(ApiError::param("prompt", "the prompt is empty"));
-    }
-    if prompt.len() >= s.max_context {
-        return Err(ApiError {
-            code: Some("context_length_exceeded"),
-            ..ApiError::param(
-                "messages",
-                format!("the prompt is {} tokens; this model's context is {} tokens", prompt.len(), s.max_context),
-            )
-        });
-    }
-    let room = s.max_context - prompt.len();
-    let max_tokens = match p.max_tokens {
-        Some(m) if m > room => {
-            return Err(ApiError {
-                code: Some("context_length_exceeded"),
-                ..ApiError::param(
-                    "max_tokens",
-                    format!(
-                        "max_tokens is {m}, but the prompt is {} tokens and the context is {} ({room} left)",
-                        prompt.len(),
-                        s.max_context
-                    ),
-                )
-            });
-        }
-        Some(m) => m,
-        None => s.limits.default_max_tokens.min(room),
-    };
+    let max_tokens = room_for(s, prompt.len(), p.max_tokens)?;
+    // Planned and compiled only now that the prompt is known to fit (compiling costs more).
     let constraint = match grammar_job {
         Some((g, gr)) => match g.plan(&s.env, &tenant.services, &info, &gr).map_err(plugin_error)? {
             Some(c) => Some(s.grammar.matcher(&c).map_err(|e| ApiError::bad(format!("constraint: {e}")))?),
@@ -363,7 +256,6 @@ fn prepare(
         },
         None => None,
     };
-
     // Policies see the final token counts.
     let meta = RequestMeta {
         tenant: tenant.name.clone(),
@@ -375,26 +267,7 @@ fn prepare(
         n: p.n as u32,
         streaming: p.stream,
     };
-    for (name, config) in &tenant.policies {
-        // A configured policy cannot be removed by the tenant; if it is missing anyway, fail
-        // closed rather than serve without the limits it enforces.
-        let Some(LoadedPlugin::Policy(policy)) = tenant.plugin(name).map(|e| e.plugin) else {
-            tracing::error!(tenant = %tenant.name, policy = %name, "configured policy is missing; refusing the request");
-            return Err(ApiError::internal(format!("this tenant's policy `{name}` is unavailable")));
-        };
-        match policy.admit(&s.env, &tenant.services, &tenant.name, config, &meta, &body_json).map_err(plugin_error)? {
-            crate::plugins::Admission::Allow => {}
-            crate::plugins::Admission::Reject(r) => {
-                let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
-                let kind =
-                    if status == StatusCode::TOO_MANY_REQUESTS { "rate_limit_error" } else { "invalid_request_error" };
-                return Err(ApiError {
-                    retry_after: r.retry_after_ms.map(|ms| ms.div_ceil(1000).max(1)),
-                    ..ApiError::new(status, kind, r.message)
-                });
-            }
-        }
-    }
+    admit(s, tenant, &meta, &body_json)?;
 
     let sampler = match pick(tenant, &p.sampler, &tenant.default_sampler)? {
         LoadedPlugin::Sampler(x) => x,
@@ -436,6 +309,154 @@ fn prepare(
         meta,
         prompt_len,
     })
+}
+
+/// A request's prompt ids and stop tokens, the template that rendered them (chat), and the
+/// grammar plugin call still to make.
+struct PromptPlan {
+    ids: Vec<u32>,
+    stops: Vec<u32>,
+    template: Option<Arc<TemplatePlugin>>,
+    grammar_job: Option<(Arc<crate::plugins::GrammarPlugin>, GrammarRequest)>,
+}
+
+/// Chat: the template plugin renders the messages; the tenant's grammar plugin will turn tools,
+/// tool_choice, response_format and the thinking budget into a constraint.
+fn chat_prompt(
+    s: &Shared,
+    tenant: &Arc<Tenant>,
+    p: &GenParams,
+    obj: &Map<String, Value>,
+    info: &RequestInfo,
+    body_json: &str,
+) -> Result<PromptPlan, ApiError> {
+    match obj.get("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => {}
+        Some(Value::Array(_)) => return Err(ApiError::param("messages", "messages must not be empty")),
+        None => return Err(ApiError::param("messages", "messages is required")),
+        Some(v) => {
+            return Err(ApiError::param("messages", format!("messages must be an array, got {}", super::type_name(v))));
+        }
+    }
+    let t = match pick(tenant, &p.template, &tenant.default_template)? {
+        LoadedPlugin::Template(t) => t,
+        other => {
+            return Err(ApiError::param(
+                "plugins",
+                format!("that plugin is a {} plugin, not a template", other.kind().name()),
+            ));
+        }
+    };
+    let rendered = t.render(&s.env, &tenant.services, info, body_json).map_err(plugin_error)?;
+    let segs: Vec<Segment> = rendered.segments.into_iter().map(Segment::from).collect();
+    let ids = s.tok.encode_segments(&segs).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
+    if let Some(pad) = s.tok.special_id("<|media_pad|>")
+        && ids.contains(&pad)
+    {
+        return Err(ApiError::param(
+            "messages",
+            if s.has_vision {
+                "images are not supported by this server yet (the vision tower is not implemented)"
+            } else {
+                "images not supported by this model (the checkpoint has no vision tower)"
+            },
+        ));
+    }
+    let mut stops: Vec<u32> = rendered.stop_specials.iter().filter_map(|n| s.tok.special_id(n)).collect();
+    if stops.is_empty() {
+        stops = s.env.eos_tokens.clone();
+    }
+    let mut grammar_job = None;
+    if let Some(g) = p.grammar.as_deref().or(tenant.default_grammar.as_deref()) {
+        let g = match tenant.plugin(g).map(|e| e.plugin) {
+            Some(LoadedPlugin::Grammar(g)) => g,
+            Some(other) => {
+                return Err(ApiError::param(
+                    "plugins",
+                    format!("`{g}` is a {} plugin, not a grammar", other.kind().name()),
+                ));
+            }
+            None => return Err(ApiError::param("plugins", format!("this tenant has no plugin named `{g}`"))),
+        };
+        let field = |k: &str| obj.get(k).filter(|v| !v.is_null()).map(Value::to_string);
+        let gr = GrammarRequest {
+            tools_json: field("tools"),
+            tool_choice_json: field("tool_choice"),
+            response_format_json: field("response_format"),
+            thinking_json: Some(thinking_fields(obj).to_string()),
+            thinking_budgets: tenant.thinking_budgets.clone(),
+        };
+        grammar_job = Some((g, gr));
+    }
+    Ok(PromptPlan { ids, stops, template: Some(t), grammar_job })
+}
+
+/// Completions: the prompt is plain text only, so user text never becomes a special token.
+fn completion_prompt(s: &Shared, obj: &Map<String, Value>) -> Result<PromptPlan, ApiError> {
+    let text = match obj.get("prompt") {
+        Some(Value::String(x)) => x.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        None => return Err(ApiError::param("prompt", "prompt is required")),
+        Some(_) => return Err(ApiError::param("prompt", "prompt must be a string (one prompt per request)")),
+    };
+    Ok(PromptPlan { ids: s.tok.encode_text(&text), stops: s.env.eos_tokens.clone(), template: None, grammar_job: None })
+}
+
+/// `max_tokens` for a prompt of `prompt_len`: the request's if it fits the context, else the
+/// default capped by the room left; a prompt that leaves no room is refused.
+fn room_for(s: &Shared, prompt_len: usize, asked: Option<usize>) -> Result<usize, ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::param("prompt", "the prompt is empty"));
+    }
+    if prompt_len >= s.max_context {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::param(
+                "messages",
+                format!("the prompt is {prompt_len} tokens; this model's context is {} tokens", s.max_context),
+            )
+        });
+    }
+    let room = s.max_context - prompt_len;
+    match asked {
+        Some(m) if m > room => Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::param(
+                "max_tokens",
+                format!(
+                    "max_tokens is {m}, but the prompt is {prompt_len} tokens and the context is {} ({room} left)",
+                    s.max_context
+                ),
+            )
+        }),
+        Some(m) => Ok(m),
+        None => Ok(s.limits.default_max_tokens.min(room)),
+    }
+}
+
+/// Every policy of the tenant, in order; the first refusal is the answer.
+fn admit(s: &Shared, tenant: &Arc<Tenant>, meta: &RequestMeta, body_json: &str) -> Result<(), ApiError> {
+    for (name, config) in &tenant.policies {
+        // A configured policy cannot be removed by the tenant; if it is missing anyway, fail
+        // closed rather than serve without the limits it enforces.
+        let Some(LoadedPlugin::Policy(policy)) = tenant.plugin(name).map(|e| e.plugin) else {
+            tracing::error!(tenant = %tenant.name, policy = %name, "configured policy is missing; refusing the request");
+            return Err(ApiError::internal(format!("this tenant's policy `{name}` is unavailable")));
+        };
+        match policy.admit(&s.env, &tenant.services, &tenant.name, config, meta, body_json).map_err(plugin_error)? {
+            crate::plugins::Admission::Allow => {}
+            crate::plugins::Admission::Reject(r) => {
+                let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+                let kind =
+                    if status == StatusCode::TOO_MANY_REQUESTS { "rate_limit_error" } else { "invalid_request_error" };
+                return Err(ApiError {
+                    retry_after: r.retry_after_ms.map(|ms| ms.div_ceil(1000).max(1)),
+                    ..ApiError::new(status, kind, r.message)
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A request being answered.
