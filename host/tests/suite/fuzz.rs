@@ -779,19 +779,7 @@ fn exercise(c: &Constraint) -> Result<(), TestCaseError> {
     let _ = g.compiles_directly(c);
     match g.matcher(c) {
         Ok(mut m) => {
-            for _ in 0..6 {
-                let Ok(mask) = m.mask() else { break };
-                let mut first = None;
-                mask.iter_set_entries(|i| {
-                    if first.is_none() {
-                        first = Some(i as u32);
-                    }
-                });
-                let Some(t) = first else { break };
-                if m.consume(t).is_err() || m.is_stopped() {
-                    break;
-                }
-            }
+            common::walk_lowest_allowed(&mut m, 6);
             Ok(())
         }
         Err(e) => {

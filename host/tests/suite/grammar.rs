@@ -143,21 +143,7 @@ fn exploding_regexes_hit_the_work_budgets_not_a_hang() {
         let c = Constraint::Regex(re.into());
         match g.matcher(&c) {
             Err(e) => assert!(e.to_string().contains("constraint"), "{re}: {e}"),
-            Ok(mut m) => {
-                for _ in 0..8 {
-                    let Ok(mask) = m.mask() else { break };
-                    let mut first = None;
-                    mask.iter_set_entries(|i| {
-                        if first.is_none() {
-                            first = Some(i as u32);
-                        }
-                    });
-                    let Some(t) = first else { break };
-                    if m.consume(t).is_err() {
-                        break;
-                    }
-                }
-            }
+            Ok(mut m) => common::walk_lowest_allowed(&mut m, 8),
         }
     }
 }

@@ -208,3 +208,21 @@ pub fn pypi_reachable() -> bool {
     let Ok(addrs) = ("pypi.org", 443).to_socket_addrs() else { return false };
     addrs.into_iter().any(|a| std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(5)).is_ok())
 }
+
+/// Feeds a matcher its lowest allowed token up to `steps` times, stopping early when masking or
+/// consuming fails, nothing is allowed, or the matcher has stopped.
+pub fn walk_lowest_allowed(m: &mut kimi_host::grammar::ConstraintMatcher, steps: usize) {
+    for _ in 0..steps {
+        let Ok(mask) = m.mask() else { return };
+        let mut first = None;
+        mask.iter_set_entries(|i| {
+            if first.is_none() {
+                first = Some(i as u32);
+            }
+        });
+        let Some(t) = first else { return };
+        if m.consume(t).is_err() || m.is_stopped() {
+            return;
+        }
+    }
+}
