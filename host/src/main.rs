@@ -11,6 +11,7 @@ use kimi_host::bench_tokenizer::bench_tokenizer;
 use kimi_host::inspect::inspect;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
+use kimi_host::server::tenants::PluginRef;
 use kimi_host::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -324,28 +325,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Logits { model, prompt_ids, decode_ids, out } => {
-            let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
-            if prompt.is_empty() {
-                bail!("--prompt-ids must hold at least one id");
-            }
-            let decode = decode_ids.as_deref().map(|d| parse_ids(d, "--decode-ids")).transpose()?;
-            let m = load(&model)?;
-            let v = m.text_config().vocab_size;
-            let mut state = m.new_state();
-            let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;
-            let mut tensors = vec![("prefill_logits".to_string(), vec![prompt.len(), v], f32_bytes(&prefill))];
-            if let Some(ids) = decode {
-                let mut rows = Vec::with_capacity(ids.len() * v);
-                for id in &ids {
-                    rows.extend(m.forward(&[*id], &mut state, LogitsFor::AllTokens, None)?);
-                }
-                tensors.push(("decode_logits".to_string(), vec![ids.len(), v], f32_bytes(&rows)));
-            }
-            let views = tensors
-                .iter()
-                .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
-                .collect::<Result<Vec<_>>>()?;
-            safetensors::serialize_to_file(views, None, &out).with_context(|| format!("writing {}", out.display()))?;
+            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out)?
         }
         Command::Generate { model, prompt_ids, max_tokens, ignore_eos } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
@@ -370,103 +350,10 @@ fn main() -> Result<()> {
             eprintln!("wrote a tiny Kimi-K3{} checkpoint to {}", if k31 { ".1" } else { "" }, out.display());
         }
         Command::Tokenize { tokenizer, text, file, decode, allow_special, json } => {
-            let tok = Tokenizer::load(&tokenizer)
-                .with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?;
-            if let Some(ids) = decode {
-                let ids = parse_ids(&ids, "--decode")?;
-                print!("{}", tok.decode(&ids)?);
-                return Ok(());
-            }
-            let text = match (text, file) {
-                (Some(t), _) => t,
-                (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
-                (None, None) => bail!("give --text, --file or --decode"),
-            };
-            let ids = if allow_special { tok.encode_with_specials(&text) } else { tok.encode_text(&text) };
-            if json {
-                println!("{}", serde_json::to_string(&ids)?);
-            } else {
-                println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
-            }
+            tokenize_cmd(&tokenizer, text, file, decode, allow_special, json)?
         }
-        Command::Render { tokenizer, request, template } => {
-            use kimi_host::plugins::bindings::host::kimi::host::types::{RequestInfo, Segment as WitSegment};
-            use kimi_host::tokenizer::Segment;
-            let tok = std::sync::Arc::new(
-                Tokenizer::load(&tokenizer)
-                    .with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?,
-            );
-            let body = std::fs::read_to_string(&request).with_context(|| format!("reading {}", request.display()))?;
-            let bytes =
-                match kimi_host::plugins::builtin::builtin(&template).filter(|_| template.starts_with("builtin:")) {
-                    Some(b) => b.to_vec(),
-                    None => std::fs::read(&template).with_context(|| format!("reading {template}"))?,
-                };
-            let rt = kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions::default())?;
-            let compiled = rt.load(&template, &bytes)?;
-            let plugin = kimi_host::plugins::TemplatePlugin::new(rt, &compiled)?;
-            let env = std::sync::Arc::new(kimi_host::plugins::PluginEnv::from_tokenizer(
-                tok.clone(),
-                tok.vocab_size() as u32,
-            ));
-            let svc = std::sync::Arc::new(kimi_host::plugins::TenantServices::default());
-            let req = RequestInfo {
-                tenant: "local".into(),
-                request_id: "render".into(),
-                model: "kimi".into(),
-                params_json: body.clone(),
-            };
-            let rendered = plugin.render(&env, &svc, &req, &body)?;
-            let mut text = String::new();
-            let segs: Vec<Segment> = rendered
-                .segments
-                .into_iter()
-                .map(|s| match s {
-                    WitSegment::Text(t) => {
-                        text.push_str(&t);
-                        Segment::Text(t)
-                    }
-                    WitSegment::Special(n) => {
-                        text.push_str(&n);
-                        Segment::Special(n)
-                    }
-                })
-                .collect();
-            let ids = tok.encode_segments(&segs)?;
-            println!("{}", serde_json::json!({"ids": ids, "text": text}));
-        }
-        Command::Plugin(PluginCommand::Check { file, json }) => {
-            let bytes = match kimi_host::plugins::builtin::builtin(&file).filter(|_| file.starts_with("builtin:")) {
-                Some(b) => b.to_vec(),
-                None => std::fs::read(&file).with_context(|| format!("reading {file}"))?,
-            };
-            let rt = kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions {
-                pooling: false,
-                cache_dir: None,
-            })?;
-            let report = rt.check(&bytes);
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("sha256:  {}", report.sha256);
-                println!("world:   {}", report.world.as_deref().unwrap_or("(none)"));
-                println!("imports:");
-                for i in &report.imports {
-                    println!("  {i}");
-                }
-                println!("exports:");
-                for e in &report.exports {
-                    println!("  {e}");
-                }
-                match &report.verdict {
-                    Ok(()) => println!("verdict: accepted"),
-                    Err(why) => println!("verdict: rejected — {why}"),
-                }
-            }
-            if report.verdict.is_err() {
-                std::process::exit(2);
-            }
-        }
+        Command::Render { tokenizer, request, template } => render_cmd(&tokenizer, &request, &template)?,
+        Command::Plugin(PluginCommand::Check { file, json }) => plugin_check_cmd(&file, json)?,
         Command::Bench(BenchCommand::Plugins { steps, batch, tokenizer, json }) => {
             let t = kimi_host::bench_plugins::bench_plugins(steps, batch, tokenizer.as_deref())?;
             if json {
@@ -497,28 +384,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
-            let built =
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release/test_hostile.wasm");
-            let hostile = match hostile {
-                Some(p) => Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?),
-                None => std::fs::read(&built).ok(),
-            };
-            let report = runtime()?
-                .block_on(kimi_host::bench_soak::soak(
-                    std::time::Duration::from_secs(duration),
-                    concurrency.max(1),
-                    seed,
-                    hostile,
-                ))
-                .map_err(anyhow::Error::msg)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                kimi_host::bench_soak::print(&report);
-            }
-            if !report.violations.is_empty() {
-                anyhow::bail!("the soak found {} violations", report.violations.len());
-            }
+            soak_cmd(duration, concurrency, seed, hostile, json)?
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode, threads, json }) => {
             if let Some(n) = threads {
@@ -531,6 +397,150 @@ fn main() -> Result<()> {
                 print!("{r}");
             }
         }
+    }
+    Ok(())
+}
+
+/// `logits`: prefill (and optional decode) logits of a prompt, written as safetensors.
+fn logits_cmd(model: &Path, prompt_ids: &str, decode_ids: Option<&str>, out: &Path) -> Result<()> {
+    let prompt = parse_ids(prompt_ids, "--prompt-ids")?;
+    if prompt.is_empty() {
+        bail!("--prompt-ids must hold at least one id");
+    }
+    let decode = decode_ids.map(|d| parse_ids(d, "--decode-ids")).transpose()?;
+    let m = load(model)?;
+    let v = m.text_config().vocab_size;
+    let mut state = m.new_state();
+    let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;
+    let mut tensors = vec![("prefill_logits".to_string(), vec![prompt.len(), v], f32_bytes(&prefill))];
+    if let Some(ids) = decode {
+        let mut rows = Vec::with_capacity(ids.len() * v);
+        for id in &ids {
+            rows.extend(m.forward(&[*id], &mut state, LogitsFor::AllTokens, None)?);
+        }
+        tensors.push(("decode_logits".to_string(), vec![ids.len(), v], f32_bytes(&rows)));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, out).with_context(|| format!("writing {}", out.display()))?;
+    Ok(())
+}
+
+/// `tokenize`: ids of a text (or the text of ids).
+fn tokenize_cmd(
+    tokenizer: &Path,
+    text: Option<String>,
+    file: Option<PathBuf>,
+    decode: Option<String>,
+    allow_special: bool,
+    json: bool,
+) -> Result<()> {
+    let tok = Tokenizer::load(tokenizer).with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?;
+    if let Some(ids) = decode {
+        let ids = parse_ids(&ids, "--decode")?;
+        print!("{}", tok.decode(&ids)?);
+        return Ok(());
+    }
+    let text = match (text, file) {
+        (Some(t), _) => t,
+        (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?,
+        (None, None) => bail!("give --text, --file or --decode"),
+    };
+    let ids = if allow_special { tok.encode_with_specials(&text) } else { tok.encode_text(&text) };
+    if json {
+        println!("{}", serde_json::to_string(&ids)?);
+    } else {
+        println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
+    }
+    Ok(())
+}
+
+/// `render`: a chat request through a template plugin, as ids and text.
+fn render_cmd(tokenizer: &Path, request: &Path, template: &str) -> Result<()> {
+    use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
+    use kimi_host::tokenizer::Segment;
+    let tok = std::sync::Arc::new(
+        Tokenizer::load(tokenizer).with_context(|| format!("loading tokenizer from {}", tokenizer.display()))?,
+    );
+    let body = std::fs::read_to_string(request).with_context(|| format!("reading {}", request.display()))?;
+    let bytes = PluginRef::parse(template).bytes()?;
+    let rt = kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions::default())?;
+    let compiled = rt.load(template, &bytes)?;
+    let plugin = kimi_host::plugins::TemplatePlugin::new(rt, &compiled)?;
+    let env = std::sync::Arc::new(kimi_host::plugins::PluginEnv::from_tokenizer(tok.clone(), tok.vocab_size() as u32));
+    let svc = std::sync::Arc::new(kimi_host::plugins::TenantServices::default());
+    let req = RequestInfo {
+        tenant: "local".into(),
+        request_id: "render".into(),
+        model: "kimi".into(),
+        params_json: body.clone(),
+    };
+    let rendered = plugin.render(&env, &svc, &req, &body)?;
+    let segs: Vec<Segment> = rendered.segments.into_iter().map(Segment::from).collect();
+    let text: String = segs
+        .iter()
+        .map(|s| match s {
+            Segment::Text(t) | Segment::Special(t) => t.as_str(),
+        })
+        .collect();
+    let ids = tok.encode_segments(&segs)?;
+    println!("{}", serde_json::json!({"ids": ids, "text": text}));
+    Ok(())
+}
+
+fn plugin_check_cmd(file: &str, json: bool) -> Result<()> {
+    let bytes = PluginRef::parse(file).bytes()?;
+    let rt =
+        kimi_host::plugins::PluginRuntime::new(kimi_host::plugins::RuntimeOptions { pooling: false, cache_dir: None })?;
+    let report = rt.check(&bytes);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("sha256:  {}", report.sha256);
+        println!("world:   {}", report.world.as_deref().unwrap_or("(none)"));
+        println!("imports:");
+        for i in &report.imports {
+            println!("  {i}");
+        }
+        println!("exports:");
+        for e in &report.exports {
+            println!("  {e}");
+        }
+        match &report.verdict {
+            Ok(()) => println!("verdict: accepted"),
+            Err(why) => println!("verdict: rejected — {why}"),
+        }
+    }
+    if report.verdict.is_err() {
+        std::process::exit(2);
+    }
+    Ok(())
+}
+
+/// `bench soak` (see `kimi_host::bench_soak`); an error when it found a violation.
+fn soak_cmd(duration: u64, concurrency: usize, seed: u64, hostile: Option<PathBuf>, json: bool) -> Result<()> {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release/test_hostile.wasm");
+    let hostile = match hostile {
+        Some(p) => Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?),
+        None => std::fs::read(&built).ok(),
+    };
+    let report = runtime()?
+        .block_on(kimi_host::bench_soak::soak(
+            std::time::Duration::from_secs(duration),
+            concurrency.max(1),
+            seed,
+            hostile,
+        ))
+        .map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        kimi_host::bench_soak::print(&report);
+    }
+    if !report.violations.is_empty() {
+        anyhow::bail!("the soak found {} violations", report.violations.len());
     }
     Ok(())
 }
