@@ -10,7 +10,8 @@
 //!   `[DONE]` after a finish reason or an error) unless the client itself went away;
 //! - the well-behaved tenant was never failed (its answers are 200, 400 for its bad requests, or
 //!   429 when busy), whatever the other tenant's plugin did;
-//! - once idle, the state pool and the queue are empty;
+//! - once idle, the state pool and the queue are empty, and the good tenant is served again
+//!   (its policy's concurrency slots all came back);
 //! - the server's request counters agree with what the clients saw;
 //! - resident memory after the run is within `RSS_GROWTH` of what it was after warm-up;
 //! - SIGTERM during running streams ends each of them with a reason and the process exits 0
@@ -486,7 +487,7 @@ fn write_config(dir: &Path, addr: SocketAddr, model: &Path) -> Result<PathBuf, S
          [operator]\napi_key_sha256 = [\"{}\"]\nmetrics_require_key = true\n\
          [[tenants]]\nname = \"acme\"\napi_key_sha256 = [\"{}\"]\nallow_uploads = false\n\
          [[tenants.plugins.policies]]\nplugin = \"builtin:policy-limits\"\n\
-         config = {{ requests_per_minute = 1000000, max_concurrent = 1000 }}\n\
+         config = {{ requests_per_minute = 1000000, max_concurrent = 200 }}\n\
          [[tenants]]\nname = \"mallory\"\napi_key_sha256 = [\"{}\"]\n",
         model.display(),
         dir.join("plugin-cache").display(),
@@ -650,6 +651,13 @@ pub async fn soak(
         if *v != 0.0 {
             violations.push(format!("{k} is {v} once idle (expected 0)"));
         }
+    }
+    // Admission state comes back too: the good tenant's policy caps concurrency at 200, so
+    // slots leaked by requests that ended early would refuse it now.
+    let probe = chat_body("soak", "after the soak", 2, json!({})).to_string();
+    let probe = send(addr, "POST", "/v1/chat/completions", Some(ACME_KEY), probe.as_bytes(), Leave::Never).await;
+    if !matches!(probe, Outcome::Answered { status: 200, .. }) {
+        violations.push(format!("once idle, the good tenant is not served: {probe:?}"));
     }
 
     // The server's counters against what the clients saw.

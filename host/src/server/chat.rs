@@ -149,7 +149,7 @@ async fn run(
         .await
         .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??
     };
-    let Prepared { request, template, parser_info, meta, prompt_len } = prep;
+    let Prepared { request, template, parser_info, admitted, prompt_len } = prep;
     let n = request.n;
     let stop_tokens = request.stop_tokens.clone();
     let mut handle = s.engine.submit(request).map_err(engine_error)?;
@@ -185,7 +185,7 @@ async fn run(
         id: new_id(if ep == Endpoint::Chat { "chatcmpl-" } else { "cmpl-" }),
         created: unix_now(),
         prompt_len,
-        meta,
+        admitted,
         t0,
         _in_flight: in_flight,
         first_token: None,
@@ -203,7 +203,7 @@ struct Prepared {
     request: GenRequest,
     template: Option<Arc<TemplatePlugin>>,
     parser_info: RequestInfo,
-    meta: RequestMeta,
+    admitted: Admitted,
     prompt_len: usize,
 }
 
@@ -267,7 +267,7 @@ fn prepare(
         n: p.n as u32,
         streaming: p.stream,
     };
-    admit(s, tenant, &meta, &body_json)?;
+    let admitted = admit(s, tenant, meta, &body_json)?;
 
     let sampler = match pick(tenant, &p.sampler, &tenant.default_sampler)? {
         LoadedPlugin::Sampler(x) => x,
@@ -306,7 +306,7 @@ fn prepare(
         },
         template,
         parser_info,
-        meta,
+        admitted,
         prompt_len,
     })
 }
@@ -434,8 +434,11 @@ fn room_for(s: &Shared, prompt_len: usize, asked: Option<usize>) -> Result<usize
     }
 }
 
-/// Every policy of the tenant, in order; the first refusal is the answer.
-fn admit(s: &Shared, tenant: &Arc<Tenant>, meta: &RequestMeta, body_json: &str) -> Result<(), ApiError> {
+/// Every policy of the tenant, in order; the first refusal is the answer (the policies that had
+/// already admitted it are told at once that it ended with nothing generated).
+fn admit(s: &Shared, tenant: &Arc<Tenant>, meta: RequestMeta, body_json: &str) -> Result<Admitted, ApiError> {
+    let mut admitted =
+        Admitted { s: s.clone(), tenant: tenant.clone(), meta, policies: 0, completion: None, generated: 0 };
     for (name, config) in &tenant.policies {
         // A configured policy cannot be removed by the tenant; if it is missing anyway, fail
         // closed rather than serve without the limits it enforces.
@@ -443,8 +446,11 @@ fn admit(s: &Shared, tenant: &Arc<Tenant>, meta: &RequestMeta, body_json: &str) 
             tracing::error!(tenant = %tenant.name, policy = %name, "configured policy is missing; refusing the request");
             return Err(ApiError::internal(format!("this tenant's policy `{name}` is unavailable")));
         };
-        match policy.admit(&s.env, &tenant.services, &tenant.name, config, meta, body_json).map_err(plugin_error)? {
-            crate::plugins::Admission::Allow => {}
+        let verdict = policy
+            .admit(&s.env, &tenant.services, &tenant.name, config, &admitted.meta, body_json)
+            .map_err(plugin_error)?;
+        match verdict {
+            crate::plugins::Admission::Allow => admitted.policies += 1,
             crate::plugins::Admission::Reject(r) => {
                 let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
                 let kind =
@@ -456,7 +462,44 @@ fn admit(s: &Shared, tenant: &Arc<Tenant>, meta: &RequestMeta, body_json: &str) 
             }
         }
     }
-    Ok(())
+    Ok(admitted)
+}
+
+/// A request admitted by the first `policies` of its tenant's policies. Each of them hears how
+/// it ended exactly once — when this is dropped, however the request ended (finished, failed
+/// after admission, or left by its client) — so concurrency slots and reserved tokens always
+/// come back.
+struct Admitted {
+    s: Shared,
+    tenant: Arc<Tenant>,
+    meta: RequestMeta,
+    policies: usize,
+    /// Completion tokens of a request that finished normally.
+    completion: Option<u32>,
+    /// Tokens generated so far (what an abandoned request reports).
+    generated: u32,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        if self.policies == 0 {
+            return;
+        }
+        let (s, tenant, meta, n) = (self.s.clone(), self.tenant.clone(), self.meta.clone(), self.policies);
+        let (prompt, completion) = (meta.prompt_tokens, self.completion.unwrap_or(self.generated));
+        let tell = move || {
+            for (name, config) in tenant.policies.iter().take(n) {
+                if let Some(LoadedPlugin::Policy(p)) = tenant.plugin(name).map(|e| e.plugin) {
+                    let _ = p.on_complete(&s.env, &tenant.services, &tenant.name, config, &meta, prompt, completion);
+                }
+            }
+        };
+        // Plugin calls block: off the async workers when there are some.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(tell)),
+            Err(_) => tell(),
+        }
+    }
 }
 
 /// A request being answered.
@@ -468,7 +511,8 @@ struct Run {
     id: String,
     created: u64,
     prompt_len: usize,
-    meta: RequestMeta,
+    /// The policies' side of the request: told how it ended when `Run` is dropped.
+    admitted: Admitted,
     t0: Instant,
     _in_flight: InFlight,
     first_token: Option<Instant>,
@@ -655,6 +699,7 @@ impl Run {
     fn apply(&mut self, ev: SeqEvent, outs: &mut [SeqOut]) -> Result<Option<(usize, Vec<Delta>)>, ApiError> {
         match ev {
             SeqEvent::Token { index, id, logprob } => {
+                self.admitted.generated = self.admitted.generated.saturating_add(1);
                 let now = Instant::now();
                 if self.first_token.is_none() {
                     self.first_token = Some(now);
@@ -686,24 +731,14 @@ impl Run {
     }
 
     /// Accounting once the request is over.
-    fn complete(&self, outs: &[SeqOut]) {
+    fn complete(&mut self, outs: &[SeqOut]) {
         let completion: usize = outs.iter().map(|o| o.tokens).sum();
         let t = crate::server::metrics::TenantLabels { tenant: self.tenant.name.clone() };
         self.s.metrics.prompt_tokens.get_or_create(&t).inc_by(self.prompt_len as u64);
         self.s.metrics.completion_tokens.get_or_create(&t).inc_by(completion as u64);
         self.s.metrics.request_seconds.observe(self.t0.elapsed().as_secs_f64());
-        if self.tenant.policies.is_empty() {
-            return;
-        }
-        let (s, tenant, meta) = (self.s.clone(), self.tenant.clone(), self.meta.clone());
-        let (prompt, completion) = (self.prompt_len as u32, completion as u32);
-        tokio::task::spawn_blocking(move || {
-            for (name, config) in &tenant.policies {
-                if let Some(LoadedPlugin::Policy(p)) = tenant.plugin(name).map(|e| e.plugin) {
-                    let _ = p.on_complete(&s.env, &tenant.services, &tenant.name, config, &meta, prompt, completion);
-                }
-            }
-        });
+        // The policies are told when `admitted` is dropped, with this count.
+        self.admitted.completion = Some(completion as u32);
     }
 
     fn message(&self, o: &SeqOut) -> Value {
