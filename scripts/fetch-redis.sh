@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Unpacks Debian's redis-server, and the two libraries it links that a bare machine lacks, into
-# DIR without installing anything system-wide. The shared-quota test (host/tests/suite/hardening.rs)
+# DIR without installing anything system-wide. The shared-quota test (host/cli/tests/suite/hardening.rs)
 # runs it when no `redis-server` is on PATH, then starts DIR/usr/bin/redis-server with
 # LD_LIBRARY_PATH=DIR/usr/lib/x86_64-linux-gnu.
 set -euo pipefail

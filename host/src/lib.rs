@@ -5,17 +5,11 @@
 //! One request, top to bottom: `server` (OpenAI HTTP API, tenants, limits) → `engine`
 //! (continuous batching over a state pool) → `model` (the K3 / K3.1 forward on the CPU kernels of
 //! `kimi-kernels`) → `plugins` (tenants' sandboxed samplers, grammars, templates and policies),
-//! with `tokenizer` and `grammar` (native constraint masks) beside them. The `bench*` and
-//! `inspect` modules back the command line.
+//! with `tokenizer` and `grammar` (native constraint masks) beside them. The command line, its
+//! benches and `inspect` live in the `kimi-host-cli` package (`host/cli`).
 
-pub mod bench;
-pub mod bench_plugins;
-pub mod bench_serve;
-pub mod bench_soak;
-pub mod bench_tokenizer;
 pub mod engine;
 pub mod grammar;
-pub mod inspect;
 pub mod model;
 pub mod plugins;
 pub mod server;

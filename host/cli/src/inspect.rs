@@ -7,11 +7,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::model::checkpoint::{Checkpoint, parse_weight_map};
-use crate::model::config::{MixerKind, load_config};
-use crate::model::forward::{Model, PREFIX};
-use crate::model::weights::{NameRecorder, RecordedTensor};
-use crate::model::{ModelError, TextConfig};
+use kimi_host::model::checkpoint::{Checkpoint, parse_weight_map};
+use kimi_host::model::config::{MixerKind, load_config};
+use kimi_host::model::forward::{Model, PREFIX};
+use kimi_host::model::weights::{NameRecorder, RecordedTensor};
+use kimi_host::model::{ModelError, TextConfig};
 
 #[derive(Debug, Serialize)]
 pub struct InspectReport {

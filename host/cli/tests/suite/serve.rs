@@ -138,7 +138,7 @@ fn openai_client_against_kimi_host_serve() {
     let _a = start(&main_cfg, main, &dir.path().join("main.log"));
     let _b = start(&small_cfg, small, &dir.path().join("small.log"));
     let out = Command::new(&py)
-        .arg(repo().join("host/tests/python/openai_suite.py"))
+        .arg(repo().join("host/cli/tests/python/openai_suite.py"))
         .env("KIMI_URL", format!("http://{main}"))
         .env("KIMI_SMALL_URL", format!("http://{small}"))
         .env("KIMI_MODEL", "kimi-tiny")

@@ -8,15 +8,19 @@ use std::path::PathBuf;
 use kimi_host::model::checkpoint::{Checkpoint, Dtype};
 
 /// A sampler that misbehaves on request (loops, hoards memory, panics, bad ids, floods the log);
-/// built by `host/build.rs`, embedded only here, never in the release binary.
-pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_hostile.wasm"));
+/// built by `host/build.rs` (the `kimi-host` library's build, which runs before this crate
+/// compiles) into the plugins' target directory, embedded only here, never in the release binary.
+pub const TEST_HOSTILE: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../plugins/target/wasm32-wasip2/release/test_hostile.wasm"
+));
 use serde_json::Value;
 
 /// `../shared/golden` from the repository root (override with `KIMI_GOLDEN_DIR`).
 pub fn golden_dir() -> PathBuf {
     let dir = std::env::var_os("KIMI_GOLDEN_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/golden"));
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
     assert!(dir.is_dir(), "golden directory {} not found: the tests need ../shared/golden", dir.display());
     dir
 }
@@ -138,7 +142,7 @@ pub fn assert_chi_square(counts: &[u32], want: &[f64], n: usize, what: &str) {
 
 /// The repository root.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 /// Runs a command; on failure, panics with its output.
@@ -173,7 +177,7 @@ pub fn redis_server() -> (PathBuf, Option<PathBuf>) {
     {
         return (PathBuf::from("redis-server"), None);
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = repo();
     let dir = root.join("target/redis");
     let bin = dir.join("usr/bin/redis-server");
     if !bin.exists() {

@@ -1,6 +1,6 @@
 """kimi-host serve, driven by the official `openai` package (and httpx for raw HTTP).
 
-Run by host/tests/suite/serve.rs, which starts the servers and sets:
+Run by host/cli/tests/suite/serve.rs, which starts the servers and sets:
   KIMI_URL, KIMI_MODEL, KIMI_KEY_A, KIMI_KEY_B   the main server and two tenants' keys
   KIMI_SMALL_URL                                 a server whose state pool holds two sequences
   KIMI_SAMPLER_WASM                              a sampler component to upload (typical-p)

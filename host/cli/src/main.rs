@@ -6,13 +6,13 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use safetensors::{Dtype, tensor::TensorView};
 
-use kimi_host::bench::{argmax, bench_forward};
-use kimi_host::bench_tokenizer::bench_tokenizer;
-use kimi_host::inspect::inspect;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
 use kimi_host::server::tenants::PluginRef;
 use kimi_host::tokenizer::Tokenizer;
+use kimi_host_cli::bench::{argmax, bench_forward};
+use kimi_host_cli::bench_tokenizer::bench_tokenizer;
+use kimi_host_cli::inspect::inspect;
 
 #[derive(Parser)]
 #[command(name = "kimi-host", version, about = "Inference host for the Kimi-K3 model family")]
@@ -355,11 +355,11 @@ fn main() -> Result<()> {
         Command::Render { tokenizer, request, template } => render_cmd(&tokenizer, &request, &template)?,
         Command::Plugin(PluginCommand::Check { file, json }) => plugin_check_cmd(&file, json)?,
         Command::Bench(BenchCommand::Plugins { steps, batch, tokenizer, json }) => {
-            let t = kimi_host::bench_plugins::bench_plugins(steps, batch, tokenizer.as_deref())?;
+            let t = kimi_host_cli::bench_plugins::bench_plugins(steps, batch, tokenizer.as_deref())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&t)?);
             } else {
-                kimi_host::bench_plugins::print(&t);
+                kimi_host_cli::bench_plugins::print(&t);
             }
         }
         Command::Bench(BenchCommand::Tokenizer { tokenizer, mb, json }) => {
@@ -374,13 +374,13 @@ fn main() -> Result<()> {
             let (_, state) = server_state(config, model, None)?;
             let engine = state.engine.clone();
             let rows = runtime()?
-                .block_on(kimi_host::bench_serve::bench_serve(state, &concurrency, requests, max_tokens))
+                .block_on(kimi_host_cli::bench_serve::bench_serve(state, &concurrency, requests, max_tokens))
                 .map_err(anyhow::Error::msg)?;
             engine.shutdown(std::time::Duration::from_secs(1));
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                kimi_host::bench_serve::print(&rows);
+                kimi_host_cli::bench_serve::print(&rows);
             }
         }
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
@@ -519,15 +519,16 @@ fn plugin_check_cmd(file: &str, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// `bench soak` (see `kimi_host::bench_soak`); an error when it found a violation.
+/// `bench soak` (see `kimi_host_cli::bench_soak`); an error when it found a violation.
 fn soak_cmd(duration: u64, concurrency: usize, seed: u64, hostile: Option<PathBuf>, json: bool) -> Result<()> {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release/test_hostile.wasm");
+    let built =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../plugins/target/wasm32-wasip2/release/test_hostile.wasm");
     let hostile = match hostile {
         Some(p) => Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?),
         None => std::fs::read(&built).ok(),
     };
     let report = runtime()?
-        .block_on(kimi_host::bench_soak::soak(
+        .block_on(kimi_host_cli::bench_soak::soak(
             std::time::Duration::from_secs(duration),
             concurrency.max(1),
             seed,
@@ -537,7 +538,7 @@ fn soak_cmd(duration: u64, concurrency: usize, seed: u64, hostile: Option<PathBu
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        kimi_host::bench_soak::print(&report);
+        kimi_host_cli::bench_soak::print(&report);
     }
     if !report.violations.is_empty() {
         anyhow::bail!("the soak found {} violations", report.violations.len());

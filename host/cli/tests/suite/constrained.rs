@@ -14,7 +14,7 @@ use kimi_xtml::{RenderOptions, Segment, render};
 use serde_json::{Value, json};
 
 fn schemas() -> Vec<Value> {
-    kimi_host::bench_plugins::tool_schemas()
+    kimi_host_cli::bench_plugins::tool_schemas()
 }
 
 struct Harness {

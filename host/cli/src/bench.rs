@@ -8,8 +8,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::model::checkpoint::Checkpoint;
-use crate::model::{LogitsFor, Model, ModelError};
+use kimi_host::model::checkpoint::Checkpoint;
+use kimi_host::model::{LogitsFor, Model, ModelError};
 
 #[derive(Debug, Serialize)]
 pub struct ForwardBench {

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
-use crate::plugins::builtin::builtin;
-use crate::plugins::{
+use kimi_host::plugins::bindings::host::kimi::host::types::RequestInfo;
+use kimi_host::plugins::builtin::builtin;
+use kimi_host::plugins::{
     PluginEnv, PluginError, PluginRuntime, PolicyPlugin, RequestMeta, RuntimeOptions, SamplerPlugin, TenantServices,
 };
 
@@ -137,10 +137,10 @@ pub fn bench_plugins(
     for _ in 0..steps {
         let t = Instant::now();
         for r in &data {
-            std::hint::black_box(crate::plugins::host::row_candidates_and_stats(r, 256));
+            std::hint::black_box(kimi_host::plugins::host::row_candidates_and_stats(r, 256));
         }
         candidates_t.push(t.elapsed().as_secs_f64() * 1e6 / batch as f64);
-        let batch_rows: Vec<(&crate::plugins::SeqHandle, &[f32])> =
+        let batch_rows: Vec<(&kimi_host::plugins::SeqHandle, &[f32])> =
             seqs.iter().zip(&data).map(|(s, r)| (s, r.as_slice())).collect();
         let ids = inst.sample(&batch_rows, None)?;
         // The guest's share only (the host's per-row preparation is the next line of the report).
@@ -273,7 +273,7 @@ pub fn tool_schemas() -> Vec<serde_json::Value> {
 
 /// A pseudo-random constrained walk of up to `steps` tokens, timing each mask (µs).
 fn walk(
-    m: &mut crate::grammar::ConstraintMatcher,
+    m: &mut kimi_host::grammar::ConstraintMatcher,
     steps: usize,
     eos: u32,
     x: &mut u64,
@@ -300,10 +300,10 @@ fn walk(
 
 /// Grammar compile and mask times on the given tokenizer's vocabulary (the Kimi one: 163,840).
 fn bench_grammar(dir: &std::path::Path, steps: usize) -> Result<Vec<Timing>, PluginError> {
-    use crate::grammar::{Constraint, GrammarEngine};
+    use kimi_host::grammar::{Constraint, GrammarEngine};
     use kimi_xtml::grammar::{ThinkChannel, ToolChoice, output_grammar};
     let err = |e: String| PluginError::Runtime(e);
-    let tok = Arc::new(crate::tokenizer::Tokenizer::load(dir).map_err(|e| err(e.to_string()))?);
+    let tok = Arc::new(kimi_host::tokenizer::Tokenizer::load(dir).map_err(|e| err(e.to_string()))?);
     let eos = tok.special_id("<|end_of_msg|>").unwrap_or(0);
     let vocab = tok.vocab_size();
     let engine = GrammarEngine::new(tok.clone(), vocab, eos).map_err(|e| err(e.to_string()))?;

@@ -35,7 +35,7 @@ fn next(x: &mut u64) -> u64 {
 /// The K3 output grammars the grammar plugin writes for the bench / constrained-test schemas.
 fn k3_grammars() -> Vec<(String, bool)> {
     let mut out = Vec::new();
-    for (k, schema) in kimi_host::bench_plugins::tool_schemas().into_iter().enumerate() {
+    for (k, schema) in kimi_host_cli::bench_plugins::tool_schemas().into_iter().enumerate() {
         let name = format!("tool_{k}");
         let tools = json!([{"type": "function", "function": {"name": name, "parameters": schema}}]);
         let rf = json!({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}});
@@ -219,7 +219,7 @@ fn constraints_outside_the_subset_still_compile_through_llguidance() {
 fn json_schema_constraints_compile_directly_within_llguidance_masks() {
     let (_tok, g, eos) = engine();
     let mut x = 0x1234_5678_9abc_def1u64;
-    for schema in kimi_host::bench_plugins::tool_schemas().into_iter().chain(json_cases()) {
+    for schema in kimi_host_cli::bench_plugins::tool_schemas().into_iter().chain(json_cases()) {
         compare_walks(&g, &Constraint::JsonSchema(schema.to_string()), eos, 80, Masks::Within, &mut x);
     }
 }

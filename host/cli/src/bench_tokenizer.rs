@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::tokenizer::pretokenize::MAX_WINDOW_CHARS;
-use crate::tokenizer::{Tokenizer, TokenizerError};
+use kimi_host::tokenizer::pretokenize::MAX_WINDOW_CHARS;
+use kimi_host::tokenizer::{Tokenizer, TokenizerError};
 
 #[derive(Debug, Serialize)]
 pub struct TokenizerBench {

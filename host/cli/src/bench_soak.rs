@@ -31,7 +31,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::server::config::key_hash;
+use kimi_host::server::config::key_hash;
 
 /// Allowed growth of resident memory from warm-up to the end of the run: a quarter, and at least
 /// 64 MiB (allocator and plugin-pool slack that a short run has not yet settled).
@@ -542,7 +542,7 @@ pub async fn soak(
     seed: u64,
     hostile: Option<Vec<u8>>,
 ) -> Result<SoakReport, String> {
-    let model = crate::server::embedded::ensure_model()?;
+    let model = kimi_host::server::embedded::ensure_model()?;
     let dir = ScratchDir::new()?;
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

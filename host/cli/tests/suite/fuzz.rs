@@ -6,7 +6,7 @@
 //! a named error) and never a panic, an abort or a trap of a builtin plugin.
 //!
 //! `cargo test` runs a bounded number of cases per target. A longer run:
-//! `KIMI_FUZZ_CASES=20000 cargo test -p kimi-host --test suite fuzz::`. A failing case is shrunk
+//! `KIMI_FUZZ_CASES=20000 cargo test -p kimi-host-cli --test suite fuzz::`. A failing case is shrunk
 //! and its seed saved by proptest in `fuzz.proptest-regressions` beside this file (commit it);
 //! each finding also becomes a named test at the end of this file.
 

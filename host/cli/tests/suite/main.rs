@@ -1,5 +1,5 @@
 //! The integration tests, as one binary: a module per area (one link of wasmtime, llguidance and
-//! axum instead of one per file). `cargo test -p kimi-host --test suite <filter>` runs a part, e.g.
+//! axum instead of one per file). `cargo test -p kimi-host-cli --test suite <filter>` runs a part, e.g.
 //! `hardening::` or `fuzz::`.
 
 mod common;

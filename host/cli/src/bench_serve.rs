@@ -10,9 +10,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::engine::{GenRequest, SamplerRequest, SamplingSpec, SeqEvent};
-use crate::server::AppState;
-use crate::server::tenants::LoadedPlugin;
+use kimi_host::engine::{GenRequest, SamplerRequest, SamplingSpec, SeqEvent};
+use kimi_host::server::AppState;
+use kimi_host::server::tenants::LoadedPlugin;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadFigures {
@@ -211,9 +211,9 @@ pub async fn bench_serve(
 ) -> Result<Vec<ServeBenchRow>, String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let app = crate::server::router(state.clone());
+    let app = kimi_host::server::router(state.clone());
     let http = state.http.clone();
-    tokio::spawn(crate::server::listener::serve(listener, app, http, std::future::pending(), Duration::ZERO));
+    tokio::spawn(kimi_host::server::listener::serve(listener, app, http, std::future::pending(), Duration::ZERO));
     let model = state.model_name.clone();
     // Warm-up: compile caches, first-touch the weights.
     http_one(addr, &model, 0, 4).await?;

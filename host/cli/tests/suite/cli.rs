@@ -5,10 +5,10 @@ use crate::common;
 use std::process::Command;
 
 use common::{Golden, assert_close};
-use kimi_host::inspect::inspect;
 use kimi_host::model::checkpoint::Checkpoint;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model, Trace};
+use kimi_host_cli::inspect::inspect;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kimi-host"))
