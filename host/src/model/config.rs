@@ -5,7 +5,8 @@
 
 use std::path::Path;
 
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::Value;
 
 use super::error::ModelError;
 
@@ -118,50 +119,165 @@ pub fn load_config(dir: &Path) -> Result<ModelConfig, ModelError> {
     parse_config(&text)
 }
 
+/// The top of `config.json`, read first so a model we do not implement is refused by name
+/// before its other keys are judged against our shapes.
+#[derive(Deserialize)]
+struct HeadWire {
+    model_type: Option<String>,
+    text_config: Option<TextHeadWire>,
+}
+
+#[derive(Deserialize)]
+struct TextHeadWire {
+    model_type: Option<String>,
+    hidden_act: Option<Value>,
+    moe_router_activation_func: Option<Value>,
+    topk_method: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct RootWire {
+    text_config: TextWire,
+    vision_config: Option<Value>,
+    media_placeholder_token_id: Option<u32>,
+}
+
+/// `text_config`, every key the engine reads (the rest of the file is ignored). Sizes are `u64`
+/// here and capped by [`size_cap`] after parsing.
+#[derive(Deserialize)]
+struct TextWire {
+    mla_use_nope: Option<bool>,
+    num_expert_group: Option<u64>,
+    num_hidden_layers: Option<u64>,
+    linear_attn_config: Option<LinearAttnWire>,
+    index_n_heads: Option<u64>,
+    index_head_dim: Option<u64>,
+    index_topk: Option<u64>,
+    activation_situ_beta: Option<f32>,
+    activation_situ_linear_beta: Option<f32>,
+    vocab_size: Option<u64>,
+    hidden_size: Option<u64>,
+    num_attention_heads: Option<u64>,
+    q_lora_rank: Option<u64>,
+    kv_lora_rank: Option<u64>,
+    qk_nope_head_dim: Option<u64>,
+    qk_rope_head_dim: Option<u64>,
+    v_head_dim: Option<u64>,
+    mla_use_output_gate: Option<bool>,
+    intermediate_size: Option<u64>,
+    first_k_dense_replace: Option<u64>,
+    moe_layer_freq: Option<u64>,
+    num_experts: Option<u64>,
+    num_experts_per_token: Option<u64>,
+    num_shared_experts: Option<u64>,
+    moe_intermediate_size: Option<u64>,
+    routed_expert_hidden_size: Option<u64>,
+    latent_moe_use_norm: Option<bool>,
+    moe_renormalize: Option<bool>,
+    routed_scaling_factor: Option<f32>,
+    rms_norm_eps: Option<f32>,
+    attn_res_block_size: Option<u64>,
+    bos_token_id: Option<u64>,
+    eos_token_id: Option<u64>,
+    pad_token_id: Option<u64>,
+    max_position_embeddings: Option<u64>,
+    quantization_config: Option<QuantizationWire>,
+    tie_word_embeddings: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct LinearAttnWire {
+    kda_layers: Option<Vec<u64>>,
+    full_attn_layers: Option<Vec<u64>>,
+    num_heads: Option<u64>,
+    head_dim: Option<u64>,
+    short_conv_kernel_size: Option<u64>,
+    gate_lower_bound: Option<f32>,
+    use_full_rank_gate: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct QuantizationWire {
+    format: Option<Value>,
+}
+
+/// Deserializes `v` into `T`; a wrong type or shape fails with the key's path.
+fn typed<'a, T: Deserialize<'a>>(v: &'a Value) -> Result<T, ModelError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        ModelError::config(if path == "." { "config.json" } else { &path }, e.inner().to_string())
+    })
+}
+
 pub fn parse_config(text: &str) -> Result<ModelConfig, ModelError> {
     let root: Value =
         serde_json::from_str(text).map_err(|e| ModelError::config("config.json", format!("not valid JSON: {e}")))?;
-    let root = root.as_object().ok_or_else(|| ModelError::config("config.json", "not a JSON object"))?;
-    let model_type = get_str(root, "", "model_type")?;
+    if !root.is_object() {
+        return Err(ModelError::config("config.json", "not a JSON object"));
+    }
+    let head: HeadWire = typed(&root)?;
+    let model_type = head.model_type.ok_or_else(|| ModelError::config("model_type", "missing"))?;
     if model_type != "kimi_k3" {
         return Err(ModelError::Unsupported(format!(
             "model_type \"{model_type}\" is not implemented (supported: \"kimi_k3\" with a \"kimi_linear\" text_config)"
         )));
     }
-    let text = root
-        .get("text_config")
-        .and_then(Value::as_object)
+    let th = head
+        .text_config
         .ok_or_else(|| ModelError::config("text_config", "missing (kimi_k3 keeps the text tower under text_config)"))?;
-    let tc = parse_text(text)?;
-    Ok(ModelConfig {
-        text: tc,
-        vision_config: root.get("vision_config").cloned(),
-        media_placeholder_token_id: opt_u32(root, "", "media_placeholder_token_id")?,
-    })
-}
-
-fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
     const P: &str = "text_config.";
-    let text_type = get_str(o, P, "model_type")?;
+    let text_type = th.model_type.ok_or_else(|| ModelError::config(&format!("{P}model_type"), "missing"))?;
     if text_type != "kimi_linear" {
         return Err(ModelError::Unsupported(format!(
             "text_config.model_type \"{text_type}\" is not implemented (supported: \"kimi_linear\")"
         )));
     }
-    let refuse_unless = |key: &str, want: &str| -> Result<(), ModelError> {
-        match o.get(key) {
-            None | Some(Value::Null) => Ok(()),
-            Some(v) if v.as_str() == Some(want) => Ok(()),
-            Some(v) => Err(ModelError::Unsupported(format!("{P}{key} = {v} is not implemented (supported: {want})"))),
+    for (key, v, want) in [
+        ("hidden_act", &th.hidden_act, "situ"),
+        ("moe_router_activation_func", &th.moe_router_activation_func, "sigmoid"),
+        ("topk_method", &th.topk_method, "noaux_tc"),
+    ] {
+        match v {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_str() == Some(want) => {}
+            Some(v) => {
+                return Err(ModelError::Unsupported(format!("{P}{key} = {v} is not implemented (supported: {want})")));
+            }
         }
-    };
-    refuse_unless("hidden_act", "situ")?;
-    refuse_unless("moe_router_activation_func", "sigmoid")?;
-    refuse_unless("topk_method", "noaux_tc")?;
-    if get_bool(o, P, "mla_use_nope")? == Some(false) {
+    }
+    let r: RootWire = typed(&root)?;
+    Ok(ModelConfig {
+        text: parse_text(r.text_config)?,
+        vision_config: r.vision_config,
+        media_placeholder_token_id: r.media_placeholder_token_id,
+    })
+}
+
+/// A required size: present and within [`size_cap`].
+fn need(p: &str, key: &str, v: Option<u64>) -> Result<usize, ModelError> {
+    opt(p, key, v)?.ok_or_else(|| ModelError::config(&format!("{p}{key}"), "missing"))
+}
+
+/// An optional size, within [`size_cap`] when present.
+fn opt(p: &str, key: &str, v: Option<u64>) -> Result<Option<usize>, ModelError> {
+    let Some(n) = v else { return Ok(None) };
+    let cap = size_cap(key);
+    if n > cap {
+        return Err(ModelError::config(&format!("{p}{key}"), format!("{n} is larger than the supported {cap}")));
+    }
+    Ok(Some(n as usize))
+}
+
+fn opt_id(p: &str, key: &str, v: Option<u64>) -> Result<Option<u32>, ModelError> {
+    Ok(opt(p, key, v)?.map(|n| n as u32))
+}
+
+fn parse_text(o: TextWire) -> Result<TextConfig, ModelError> {
+    const P: &str = "text_config.";
+    if o.mla_use_nope == Some(false) {
         return Err(ModelError::Unsupported(format!("{P}mla_use_nope = false (rotary MLA) is not implemented")));
     }
-    if let Some(groups) = opt_usize(o, P, "num_expert_group")?
+    if let Some(groups) = opt(P, "num_expert_group", o.num_expert_group)?
         && groups > 1
     {
         return Err(ModelError::Unsupported(format!(
@@ -169,26 +285,24 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
         )));
     }
 
-    let num_layers = get_usize(o, P, "num_hidden_layers")?;
-    let lac = o
-        .get("linear_attn_config")
-        .and_then(Value::as_object)
-        .ok_or_else(|| ModelError::config("text_config.linear_attn_config", "missing"))?;
+    let num_layers = need(P, "num_hidden_layers", o.num_hidden_layers)?;
+    let lac = o.linear_attn_config.ok_or_else(|| ModelError::config("text_config.linear_attn_config", "missing"))?;
     const L: &str = "text_config.linear_attn_config.";
-    let kda_layers = get_index_list(lac, L, "kda_layers")?;
-    let full_layers = get_index_list(lac, L, "full_attn_layers")?;
+    let missing = |key: &str| ModelError::config(&format!("{L}{key}"), "missing");
+    let kda_layers = lac.kda_layers.ok_or_else(|| missing("kda_layers"))?;
+    let full_layers = lac.full_attn_layers.ok_or_else(|| missing("full_attn_layers"))?;
     let mut layer_kinds = vec![None; num_layers];
     for (list, kind, key) in
         [(&kda_layers, MixerKind::Kda, "kda_layers"), (&full_layers, MixerKind::Mla, "full_attn_layers")]
     {
         for &one_based in list {
-            if one_based == 0 || one_based > num_layers {
+            if one_based == 0 || one_based > num_layers as u64 {
                 return Err(ModelError::config(
                     &format!("{L}{key}"),
                     format!("layer {one_based} is outside 1..={num_layers} (the lists are 1-indexed)"),
                 ));
             }
-            if layer_kinds[one_based - 1].replace(kind).is_some() {
+            if layer_kinds[one_based as usize - 1].replace(kind).is_some() {
                 return Err(ModelError::config(
                     &format!("{L}{key}"),
                     format!("layer {one_based} is listed twice (or in both kda_layers and full_attn_layers)"),
@@ -210,24 +324,31 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
         .collect::<Result<Vec<_>, _>>()?;
 
     let kda = KdaConfig {
-        num_heads: get_usize(lac, L, "num_heads")?,
-        head_dim: get_usize(lac, L, "head_dim")?,
-        conv_kernel: get_usize(lac, L, "short_conv_kernel_size")?,
-        gate_lower_bound: get_f32(lac, L, "gate_lower_bound")?,
-        full_rank_gate: get_bool(lac, L, "use_full_rank_gate")?.unwrap_or(false),
+        num_heads: need(L, "num_heads", lac.num_heads)?,
+        head_dim: need(L, "head_dim", lac.head_dim)?,
+        conv_kernel: need(L, "short_conv_kernel_size", lac.short_conv_kernel_size)?,
+        gate_lower_bound: lac.gate_lower_bound.ok_or_else(|| missing("gate_lower_bound"))?,
+        full_rank_gate: lac.use_full_rank_gate.unwrap_or(false),
     };
     if kda.conv_kernel < 1 {
         return Err(ModelError::config(&format!("{L}short_conv_kernel_size"), "must be at least 1"));
     }
 
-    let idx_keys = ["index_n_heads", "index_head_dim", "index_topk"];
-    let idx_vals = idx_keys.iter().map(|k| opt_usize(o, P, k)).collect::<Result<Vec<_>, _>>()?;
-    let indexer = match (idx_vals[0], idx_vals[1], idx_vals[2]) {
+    let indexer = match (
+        opt(P, "index_n_heads", o.index_n_heads)?,
+        opt(P, "index_head_dim", o.index_head_dim)?,
+        opt(P, "index_topk", o.index_topk)?,
+    ) {
         (None, None, None) => None,
         (Some(n_heads), Some(head_dim), Some(topk)) => Some(IndexerConfig { n_heads, head_dim, topk }),
-        _ => {
-            let missing =
-                idx_keys.iter().zip(&idx_vals).find(|(_, v)| v.is_none()).map(|(k, _)| *k).unwrap_or("index_topk");
+        (n_heads, head_dim, _) => {
+            let missing = if n_heads.is_none() {
+                "index_n_heads"
+            } else if head_dim.is_none() {
+                "index_head_dim"
+            } else {
+                "index_topk"
+            };
             return Err(ModelError::config(
                 &format!("{P}{missing}"),
                 "missing: the K3.1 indexer needs index_n_heads, index_head_dim and index_topk together",
@@ -235,48 +356,45 @@ fn parse_text(o: &Map<String, Value>) -> Result<TextConfig, ModelError> {
         }
     };
 
-    let situ_beta = opt_f32(o, P, "activation_situ_beta")?.unwrap_or(1.0);
-    let situ_linear_beta = opt_f32(o, P, "activation_situ_linear_beta")?;
     let tc = TextConfig {
-        vocab_size: get_usize(o, P, "vocab_size")?,
-        hidden_size: get_usize(o, P, "hidden_size")?,
+        vocab_size: need(P, "vocab_size", o.vocab_size)?,
+        hidden_size: need(P, "hidden_size", o.hidden_size)?,
         num_layers,
         layer_kinds,
         kda,
-        mla_heads: get_usize(o, P, "num_attention_heads")?,
-        q_lora_rank: get_usize(o, P, "q_lora_rank")?,
-        kv_lora_rank: get_usize(o, P, "kv_lora_rank")?,
-        qk_nope_head_dim: get_usize(o, P, "qk_nope_head_dim")?,
-        qk_rope_head_dim: get_usize(o, P, "qk_rope_head_dim")?,
-        v_head_dim: get_usize(o, P, "v_head_dim")?,
-        mla_output_gate: get_bool(o, P, "mla_use_output_gate")?.unwrap_or(false),
+        mla_heads: need(P, "num_attention_heads", o.num_attention_heads)?,
+        q_lora_rank: need(P, "q_lora_rank", o.q_lora_rank)?,
+        kv_lora_rank: need(P, "kv_lora_rank", o.kv_lora_rank)?,
+        qk_nope_head_dim: need(P, "qk_nope_head_dim", o.qk_nope_head_dim)?,
+        qk_rope_head_dim: need(P, "qk_rope_head_dim", o.qk_rope_head_dim)?,
+        v_head_dim: need(P, "v_head_dim", o.v_head_dim)?,
+        mla_output_gate: o.mla_use_output_gate.unwrap_or(false),
         indexer,
-        intermediate_size: get_usize(o, P, "intermediate_size")?,
-        first_k_dense_replace: opt_usize(o, P, "first_k_dense_replace")?.unwrap_or(0),
-        moe_layer_freq: opt_usize(o, P, "moe_layer_freq")?.unwrap_or(1).max(1),
-        num_experts: get_usize(o, P, "num_experts")?,
-        experts_per_token: get_usize(o, P, "num_experts_per_token")?,
-        num_shared_experts: opt_usize(o, P, "num_shared_experts")?.unwrap_or(0),
-        moe_intermediate_size: get_usize(o, P, "moe_intermediate_size")?,
-        routed_expert_hidden_size: get_usize(o, P, "routed_expert_hidden_size")?,
-        latent_moe_norm: get_bool(o, P, "latent_moe_use_norm")?.unwrap_or(false),
-        moe_renormalize: get_bool(o, P, "moe_renormalize")?.unwrap_or(true),
-        routed_scaling_factor: opt_f32(o, P, "routed_scaling_factor")?.unwrap_or(1.0),
-        situ_beta,
-        situ_linear_beta,
-        rms_norm_eps: get_f32(o, P, "rms_norm_eps")?,
-        attn_res_block_size: get_usize(o, P, "attn_res_block_size")?,
-        bos_token_id: opt_u32(o, P, "bos_token_id")?,
-        eos_token_id: opt_u32(o, P, "eos_token_id")?,
-        pad_token_id: opt_u32(o, P, "pad_token_id")?,
-        max_position_embeddings: opt_usize(o, P, "max_position_embeddings")?.unwrap_or(usize::MAX),
+        intermediate_size: need(P, "intermediate_size", o.intermediate_size)?,
+        first_k_dense_replace: opt(P, "first_k_dense_replace", o.first_k_dense_replace)?.unwrap_or(0),
+        moe_layer_freq: opt(P, "moe_layer_freq", o.moe_layer_freq)?.unwrap_or(1).max(1),
+        num_experts: need(P, "num_experts", o.num_experts)?,
+        experts_per_token: need(P, "num_experts_per_token", o.num_experts_per_token)?,
+        num_shared_experts: opt(P, "num_shared_experts", o.num_shared_experts)?.unwrap_or(0),
+        moe_intermediate_size: need(P, "moe_intermediate_size", o.moe_intermediate_size)?,
+        routed_expert_hidden_size: need(P, "routed_expert_hidden_size", o.routed_expert_hidden_size)?,
+        latent_moe_norm: o.latent_moe_use_norm.unwrap_or(false),
+        moe_renormalize: o.moe_renormalize.unwrap_or(true),
+        routed_scaling_factor: o.routed_scaling_factor.unwrap_or(1.0),
+        situ_beta: o.activation_situ_beta.unwrap_or(1.0),
+        situ_linear_beta: o.activation_situ_linear_beta,
+        rms_norm_eps: o.rms_norm_eps.ok_or_else(|| ModelError::config(&format!("{P}rms_norm_eps"), "missing"))?,
+        attn_res_block_size: need(P, "attn_res_block_size", o.attn_res_block_size)?,
+        bos_token_id: opt_id(P, "bos_token_id", o.bos_token_id)?,
+        eos_token_id: opt_id(P, "eos_token_id", o.eos_token_id)?,
+        pad_token_id: opt_id(P, "pad_token_id", o.pad_token_id)?,
+        max_position_embeddings: opt(P, "max_position_embeddings", o.max_position_embeddings)?.unwrap_or(usize::MAX),
         mxfp4_declared: o
-            .get("quantization_config")
-            .and_then(|q| q.get("format"))
-            .and_then(Value::as_str)
-            .is_some_and(|f| f == "mxfp4-pack-quantized"),
+            .quantization_config
+            .and_then(|q| q.format)
+            .is_some_and(|f| f.as_str() == Some("mxfp4-pack-quantized")),
     };
-    if get_bool(o, P, "tie_word_embeddings")? == Some(true) {
+    if o.tie_word_embeddings == Some(true) {
         return Err(ModelError::Unsupported(format!(
             "{P}tie_word_embeddings = true is not implemented (K3 has an untied lm_head)"
         )));
@@ -336,29 +454,6 @@ fn check_consistency(c: &TextConfig) -> Result<(), ModelError> {
     Ok(())
 }
 
-fn get<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a Value, ModelError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Err(ModelError::config(&format!("{p}{key}"), "missing")),
-        Some(v) => Ok(v),
-    }
-}
-
-fn get_str<'a>(o: &'a Map<String, Value>, p: &str, key: &str) -> Result<&'a str, ModelError> {
-    get(o, p, key)?.as_str().ok_or_else(|| ModelError::config(&format!("{p}{key}"), "must be a string"))
-}
-
-fn get_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<usize, ModelError> {
-    let v = get(o, p, key)?;
-    let n = v.as_u64().ok_or_else(|| {
-        ModelError::config(&format!("{p}{key}"), format!("must be a non-negative integer, found {v}"))
-    })?;
-    let cap = size_cap(key);
-    if n > cap {
-        return Err(ModelError::config(&format!("{p}{key}"), format!("{n} is larger than the supported {cap}")));
-    }
-    Ok(n as usize)
-}
-
 /// The largest value a key may take: far above any Kimi model, and low enough that products of
 /// sizes (weight shapes, per-sequence state over all layers) cannot overflow `usize`.
 fn size_cap(key: &str) -> u64 {
@@ -383,56 +478,4 @@ fn size_cap(key: &str) -> u64 {
         // Hidden, intermediate and LoRA sizes, AttnRes block size.
         _ => 1 << 18,
     }
-}
-
-fn opt_usize(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<usize>, ModelError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(_) => get_usize(o, p, key).map(Some),
-    }
-}
-
-fn opt_u32(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<u32>, ModelError> {
-    match opt_usize(o, p, key)? {
-        None => Ok(None),
-        Some(n) => u32::try_from(n).map(Some).map_err(|_| ModelError::config(&format!("{p}{key}"), "out of range")),
-    }
-}
-
-fn get_f32(o: &Map<String, Value>, p: &str, key: &str) -> Result<f32, ModelError> {
-    let v = get(o, p, key)?;
-    v.as_f64()
-        .map(|x| x as f32)
-        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be a number, found {v}")))
-}
-
-fn opt_f32(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<f32>, ModelError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(_) => get_f32(o, p, key).map(Some),
-    }
-}
-
-fn get_bool(o: &Map<String, Value>, p: &str, key: &str) -> Result<Option<bool>, ModelError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("must be true or false, found {v}"))),
-    }
-}
-
-fn get_index_list(o: &Map<String, Value>, p: &str, key: &str) -> Result<Vec<usize>, ModelError> {
-    let v = get(o, p, key)?;
-    let arr = v
-        .as_array()
-        .ok_or_else(|| ModelError::config(&format!("{p}{key}"), "must be a list of 1-indexed layer numbers"))?;
-    arr.iter()
-        .map(|x| {
-            x.as_u64()
-                .map(|n| n as usize)
-                .ok_or_else(|| ModelError::config(&format!("{p}{key}"), format!("{x} is not a layer number")))
-        })
-        .collect()
 }

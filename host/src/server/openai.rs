@@ -3,6 +3,8 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use kimi_sampling_params::SamplingParams;
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 /// An OpenAI-shaped error response.
@@ -91,81 +93,126 @@ pub struct GenParams {
     pub grammar: Option<String>,
 }
 
-fn number(body: &Map<String, Value>, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => {
-            let v = n.as_f64().unwrap_or(f64::NAN);
-            if v.is_finite() && v >= lo && v <= hi {
-                Ok(Some(v))
-            } else {
-                Err(ApiError::param(key, format!("{key} must be between {lo} and {hi}, got {v}")))
-            }
+/// The fields of a request body that the host reads (`messages`, `prompt`, `tools` and the rest
+/// go to the template plugin and policies as JSON). Parsed with `serde_path_to_error`, so a
+/// wrong type is refused with the field's path.
+#[derive(Deserialize)]
+struct CommonWire {
+    model: Option<String>,
+    n: Option<i64>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    stop: Option<Stop>,
+    seed: Option<i64>,
+    logprobs: Option<Logprobs>,
+    top_logprobs: Option<i64>,
+    plugins: Option<PluginChoice>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a string or a list of strings")]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `/v1/completions` takes an integer (alternatives); chat a boolean plus `top_logprobs`.
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a boolean or an integer")]
+enum Logprobs {
+    On(bool),
+    Count(i64),
+}
+
+/// Per-request plugin choices; any other key is refused.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PluginChoice {
+    sampler: Option<String>,
+    template: Option<String>,
+    grammar: Option<String>,
+}
+
+/// The keys [`CommonWire`] reads.
+const COMMON_KEYS: [&str; 11] = [
+    "model",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "plugins",
+];
+
+/// Deserializes `keys` of `body` (only those are copied) into `T`; a failure names the path,
+/// under `prefix` (e.g. `sampler_params.`).
+fn typed<T: serde::de::DeserializeOwned>(
+    body: &Map<String, Value>,
+    keys: &[&str],
+    prefix: &str,
+) -> Result<T, ApiError> {
+    let sub: Map<String, Value> =
+        keys.iter().filter_map(|k| body.get(*k).filter(|v| !v.is_null()).map(|v| (k.to_string(), v.clone()))).collect();
+    serde_path_to_error::deserialize(Value::Object(sub)).map_err(|e| {
+        let path = e.path().to_string();
+        let top = path.split(['.', '[']).next().unwrap_or_default();
+        ApiError::param(&format!("{prefix}{top}"), format!("{prefix}{path}: {}", e.inner()))
+    })
+}
+
+fn in_range(key: &str, v: Option<i64>, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+    match v {
+        Some(v) if v < lo || v > hi => {
+            Err(ApiError::param(key, format!("{key} must be between {lo} and {hi}, got {v}")))
         }
-        Some(other) => Err(ApiError::param(key, format!("{key} must be a number, got {other}"))),
+        v => Ok(v),
     }
 }
 
-fn integer(body: &Map<String, Value>, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) if v >= lo && v <= hi => Ok(Some(v)),
-            Some(v) => Err(ApiError::param(key, format!("{key} must be between {lo} and {hi}, got {v}"))),
-            None => Err(ApiError::param(key, format!("{key} must be an integer, got {n}"))),
-        },
-        Some(other) => Err(ApiError::param(key, format!("{key} must be an integer, got {other}"))),
-    }
-}
-
-fn boolean(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(ApiError::param(key, format!("{key} must be a boolean, got {other}"))),
-    }
+/// The standard sampling fields of `body` (their one definition, `kimi-sampling-params`),
+/// checked.
+fn sampling(body: &Map<String, Value>, vocab: u32, prefix: &str) -> Result<SamplingParams, ApiError> {
+    let p: SamplingParams = typed(body, &SamplingParams::NAMES, prefix)?;
+    p.check(vocab).map_err(|e| ApiError::param(&format!("{prefix}{}", e.param), format!("{prefix}{}", e.message)))?;
+    Ok(p)
 }
 
 /// Reads and checks the common fields; `vocab` bounds `logit_bias` keys.
 pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result<GenParams, ApiError> {
-    let model = match body.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        None | Some(Value::Null) => return Err(ApiError::param("model", "model is required")),
-        Some(other) => return Err(ApiError::param("model", format!("model must be a non-empty string, got {other}"))),
+    let w: CommonWire = typed(body, &COMMON_KEYS, "")?;
+    let model = match w.model {
+        Some(s) if !s.is_empty() => s,
+        Some(_) => return Err(ApiError::param("model", "model must be a non-empty string")),
+        None => return Err(ApiError::param("model", "model is required")),
     };
-    let n = integer(body, "n", 1, max_n as i64)?.unwrap_or(1) as usize;
-    let max_tokens = match integer(body, "max_completion_tokens", 1, i64::MAX)? {
+    let n = in_range("n", w.n, 1, max_n as i64)?.unwrap_or(1) as usize;
+    let max_tokens = match in_range("max_completion_tokens", w.max_completion_tokens, 1, i64::MAX)? {
         Some(v) => Some(v),
-        None => integer(body, "max_tokens", 1, i64::MAX)?,
+        None => in_range("max_tokens", w.max_tokens, 1, i64::MAX)?,
     }
     .map(|v| usize::try_from(v).unwrap_or(usize::MAX));
-    let stream = boolean(body, "stream")?;
-    let include_usage = match body.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => boolean(o, "include_usage")?,
-        Some(other) => {
-            return Err(ApiError::param("stream_options", format!("stream_options must be an object, got {other}")));
-        }
+    let stop = match w.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) if v.len() <= 4 => v,
+        Some(Stop::Many(_)) => return Err(ApiError::param("stop", "at most 4 stop sequences")),
     };
-    let stop = match body.get("stop") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 4 => a
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop", "stop entries must be strings"))
-            })
-            .collect::<Result<_, _>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::param("stop", "at most 4 stop sequences")),
-        Some(other) => return Err(ApiError::param("stop", format!("stop must be a string or a list, got {other}"))),
-    };
-    let seed = integer(body, "seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
-    let logprobs = match body.get("logprobs") {
-        // `/v1/completions` takes an integer (alternatives); chat a boolean plus `top_logprobs`.
-        Some(Value::Number(_)) => integer(body, "logprobs", 0, 20)?.map(|k| k as usize),
-        _ => {
-            let on = boolean(body, "logprobs")?;
-            let top = integer(body, "top_logprobs", 0, 20)?;
+    let logprobs = match w.logprobs {
+        Some(Logprobs::Count(k)) => Some(in_range("logprobs", Some(k), 0, 20)?.unwrap_or(0) as usize),
+        on => {
+            let on = matches!(on, Some(Logprobs::On(true)));
+            let top = in_range("top_logprobs", w.top_logprobs, 0, 20)?;
             if top.is_some() && !on {
                 return Err(ApiError::param("top_logprobs", "top_logprobs needs logprobs: true"));
             }
@@ -173,17 +220,20 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
         }
     };
 
-    let mut s = sampling(body, vocab)?;
+    let top = sampling(body, vocab, "")?;
+    let mut s = match serde_json::to_value(&top) {
+        Ok(Value::Object(m)) => m,
+        _ => Map::new(),
+    };
     // Extension: parameters for a tenant's own sampler (e.g. `typical_p`), passed through as given;
     // the standard fields among them get the same checks as at the top level (which wins).
     match body.get("sampler_params") {
         None | Some(Value::Null) => {}
         Some(Value::Object(o)) => {
-            let checked = sampling(o, vocab).map_err(|e| ApiError {
-                param: Some(format!("sampler_params.{}", e.param.as_deref().unwrap_or(""))),
-                message: format!("sampler_params: {}", e.message),
-                ..e
-            })?;
+            let checked = match serde_json::to_value(sampling(o, vocab, "sampler_params.")?) {
+                Ok(Value::Object(m)) => m,
+                _ => Map::new(),
+            };
             for (k, v) in o {
                 let v = checked.get(k).unwrap_or(v);
                 s.entry(k.clone()).or_insert_with(|| v.clone());
@@ -194,101 +244,21 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
         }
     }
 
-    let (mut sampler, mut template, mut grammar) = (None, None, None);
-    match body.get("plugins") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) => {
-            for (k, v) in o {
-                let name = v
-                    .as_str()
-                    .ok_or_else(|| ApiError::param("plugins", format!("plugins.{k} must be a plugin name")))?
-                    .to_string();
-                match k.as_str() {
-                    "sampler" => sampler = Some(name),
-                    "template" => template = Some(name),
-                    "grammar" => grammar = Some(name),
-                    other => {
-                        return Err(ApiError::param(
-                            "plugins",
-                            format!("plugins.{other}: only sampler, template and grammar can be chosen per request"),
-                        ));
-                    }
-                }
-            }
-        }
-        Some(other) => return Err(ApiError::param("plugins", format!("plugins must be an object, got {other}"))),
-    }
+    let plugins = w.plugins.unwrap_or(PluginChoice { sampler: None, template: None, grammar: None });
     Ok(GenParams {
         model,
         n,
         max_tokens,
-        stream,
-        include_usage,
+        stream: w.stream.unwrap_or(false),
+        include_usage: w.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         stop,
-        seed,
+        seed: w.seed.map(|s| s as u64),
         logprobs,
         sampling_json: Value::Object(s).to_string(),
-        sampler,
-        template,
-        grammar,
+        sampler: plugins.sampler,
+        template: plugins.template,
+        grammar: plugins.grammar,
     })
-}
-
-/// The standard sampling fields of `body`, checked, as the sampler receives them (OpenAI names;
-/// `top_k` an integer).
-fn sampling(body: &Map<String, Value>, vocab: u32) -> Result<Map<String, Value>, ApiError> {
-    let mut s = Map::new();
-    let put = |s: &mut Map<String, Value>, k: &str, v: Option<f64>| {
-        if let Some(v) = v {
-            s.insert(k.to_string(), json!(v));
-        }
-    };
-    put(&mut s, "temperature", number(body, "temperature", 0.0, 2.0)?);
-    let top_p = number(body, "top_p", 0.0, 1.0)?;
-    if top_p == Some(0.0) {
-        return Err(ApiError::param("top_p", "top_p must be in (0, 1]"));
-    }
-    put(&mut s, "top_p", top_p);
-    if let Some(k) = integer(body, "top_k", -1, i64::from(u32::MAX))? {
-        s.insert("top_k".into(), json!(k));
-    }
-    put(&mut s, "min_p", number(body, "min_p", 0.0, 1.0)?);
-    put(&mut s, "presence_penalty", number(body, "presence_penalty", -2.0, 2.0)?);
-    put(&mut s, "frequency_penalty", number(body, "frequency_penalty", -2.0, 2.0)?);
-    let rep = number(body, "repetition_penalty", 0.0, 10.0)?;
-    if rep == Some(0.0) {
-        return Err(ApiError::param("repetition_penalty", "repetition_penalty must be > 0"));
-    }
-    put(&mut s, "repetition_penalty", rep);
-    match body.get("logit_bias") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) => {
-            for (k, v) in o {
-                let id: u32 = k
-                    .parse()
-                    .map_err(|_| ApiError::param("logit_bias", format!("logit_bias key `{k}` is not a token id")))?;
-                if id >= vocab {
-                    return Err(ApiError::param(
-                        "logit_bias",
-                        format!("logit_bias token {id} is outside the vocabulary"),
-                    ));
-                }
-                match v.as_f64() {
-                    Some(b) if (-100.0..=100.0).contains(&b) => {}
-                    _ => {
-                        return Err(ApiError::param(
-                            "logit_bias",
-                            format!("logit_bias values are numbers in [-100, 100], got {v}"),
-                        ));
-                    }
-                }
-            }
-            s.insert("logit_bias".into(), Value::Object(o.clone()));
-        }
-        Some(other) => return Err(ApiError::param("logit_bias", format!("logit_bias must be an object, got {other}"))),
-    }
-
-    Ok(s)
 }
 
 /// A new id with a prefix (`chatcmpl-`, `cmpl-`, `call_`).
@@ -331,9 +301,14 @@ mod tests {
             (json!({"model": "m", "top_logprobs": 3}), "top_logprobs"),
             (json!({"model": "m", "logit_bias": {"99999": 1}}), "logit_bias"),
             (json!({"temperature": 1}), "model"),
+            (json!({"model": "m", "stream_options": {"include_usage": "yes"}}), "stream_options"),
+            (json!({"model": "m", "plugins": {"policy": "x"}}), "plugins"),
+            (json!({"model": "m", "stop": 5}), "stop"),
+            (json!({"model": "m", "temperature": "hot"}), "temperature"),
         ] {
             let e = gen_params(&obj(body.clone()), 8, 512).expect_err(&body.to_string());
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert!(e.message.contains(param), "{body}: the message names the field: {}", e.message);
         }
         let p = gen_params(
             &obj(json!({"model": "m", "temperature": 0, "max_completion_tokens": 5, "max_tokens": 9,

@@ -2,14 +2,13 @@
 //! list (see `kimi-sampling-core`), deterministic under the host-supplied seed.
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
 
 use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
 use kimi_plugin::sampler::kimi::host::logits::StepLogits;
 use kimi_plugin::sampler::kimi::host::tokenizer;
 use kimi_plugin::sampler::kimi::host::types::{PluginError, RequestInfo};
 use kimi_sampling_core::{LogitsSource, Params, SeqState};
-use serde::Deserialize;
+use kimi_sampling_params::SamplingParams;
 
 /// Candidates requested per row: enough for typical top-p / min-p without a second round trip.
 const CANDIDATES: u32 = 256;
@@ -27,51 +26,25 @@ fn vocab() -> u32 {
     })
 }
 
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Wire {
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<i64>,
-    min_p: Option<f32>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    repetition_penalty: Option<f32>,
-    logit_bias: Option<BTreeMap<String, f32>>,
-}
-
+/// The request's standard sampling parameters (their one definition: `kimi-sampling-params`, which
+/// the server checked them with too) resolved to the algorithm's form.
 fn parse(params_json: &str) -> Result<Params, PluginError> {
-    let w: Wire = if params_json.trim().is_empty() {
-        Wire::default()
+    let w: SamplingParams = if params_json.trim().is_empty() {
+        SamplingParams::default()
     } else {
         serde_json::from_str(params_json).map_err(|e| PluginError::BadConfig(format!("sampling parameters: {e}")))?
     };
-    let d = Params::default();
-    let mut logit_bias = BTreeMap::new();
-    for (k, v) in w.logit_bias.unwrap_or_default() {
-        let id: u32 =
-            k.parse().map_err(|_| PluginError::BadConfig(format!("logit_bias key `{k}` is not a token id")))?;
-        if id >= vocab() {
-            return Err(PluginError::BadConfig(format!("logit_bias token {id} is outside the vocabulary")));
-        }
-        logit_bias.insert(id, v);
-    }
-    let p = Params {
-        temperature: w.temperature.unwrap_or(d.temperature),
-        top_p: w.top_p.unwrap_or(d.top_p),
-        top_k: match w.top_k {
-            None => 0,
-            Some(k) if k <= 0 => 0,
-            Some(k) => k.min(u32::MAX as i64) as u32,
-        },
-        min_p: w.min_p.unwrap_or(d.min_p),
-        presence_penalty: w.presence_penalty.unwrap_or(0.0),
-        frequency_penalty: w.frequency_penalty.unwrap_or(0.0),
-        repetition_penalty: w.repetition_penalty.unwrap_or(1.0),
-        logit_bias,
-    };
-    p.validate().map_err(PluginError::BadConfig)?;
-    Ok(p)
+    w.check(vocab()).map_err(|e| PluginError::BadConfig(e.message))?;
+    Ok(Params {
+        temperature: w.temperature(),
+        top_p: w.top_p(),
+        top_k: w.top_k(),
+        min_p: w.min_p(),
+        presence_penalty: w.presence_penalty(),
+        frequency_penalty: w.frequency_penalty(),
+        repetition_penalty: w.repetition_penalty(),
+        logit_bias: w.logit_bias_ids(vocab()).map_err(|e| PluginError::BadConfig(e.message))?,
+    })
 }
 
 /// The host's `step-logits` resource as a logits source.

@@ -19,7 +19,8 @@ pub trait LogitsSource {
     fn log_sum_exp(&mut self, t: f32) -> f32;
 }
 
-/// Sampling parameters (OpenAI / vLLM names and meanings).
+/// Sampling parameters resolved (defaults applied, ranges checked by `kimi-sampling-params`,
+/// their one definition; OpenAI / vLLM names and meanings).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Params {
     /// 0 → greedy.
@@ -50,36 +51,6 @@ impl Default for Params {
             repetition_penalty: 1.0,
             logit_bias: BTreeMap::new(),
         }
-    }
-}
-
-impl Params {
-    /// Checks ranges; the message names the parameter.
-    pub fn validate(&self) -> Result<(), String> {
-        let t = self.temperature;
-        if !(t.is_finite() && t >= 0.0) {
-            return Err(format!("temperature must be ≥ 0, got {t}"));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if !(-2.0..=2.0).contains(&v) {
-                return Err(format!("{name} must be in [-2, 2], got {v}"));
-            }
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
-        }
-        for (id, b) in &self.logit_bias {
-            if !(-100.0..=100.0).contains(b) {
-                return Err(format!("logit_bias[{id}] must be in [-100, 100], got {b}"));
-            }
-        }
-        Ok(())
     }
 }
 
