@@ -69,24 +69,24 @@ fn prompt_text(i: usize) -> String {
 }
 
 /// One streaming completion over a fresh loopback connection (HTTP/1.1, chunked SSE).
-async fn http_one(addr: SocketAddr, model: &str, i: usize, max_tokens: usize) -> Result<Sample, String> {
+async fn http_one(addr: SocketAddr, model: &str, i: usize, max_tokens: usize) -> anyhow::Result<Sample> {
     let body = json!({"model": model, "prompt": prompt_text(i), "max_tokens": max_tokens, "seed": i,
         "temperature": 1.0, "stream": true, "stream_options": {"include_usage": true}})
     .to_string();
     let t0 = Instant::now();
-    let mut s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
     let req = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+    s.write_all(req.as_bytes()).await?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16 << 10];
     let (mut first, mut last, mut gaps, mut tokens, mut done) = (None, None, Vec::new(), 0usize, false);
     let mut scanned = 0;
     while !done {
-        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        let n = s.read(&mut chunk).await?;
         if n == 0 {
             break;
         }
@@ -99,11 +99,11 @@ async fn http_one(addr: SocketAddr, model: &str, i: usize, max_tokens: usize) ->
                 done = true;
                 break;
             }
-            let v: Value = serde_json::from_str(data).map_err(|e| format!("bad chunk {data}: {e}"))?;
+            let v: Value = serde_json::from_str(data).map_err(|e| anyhow::anyhow!("bad chunk {data}: {e}"))?;
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
             } else if v.get("error").is_some() {
-                return Err(data.to_string());
+                anyhow::bail!("{data}");
             } else if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
                 let now = Instant::now();
                 if first.is_none() {
@@ -117,19 +117,16 @@ async fn http_one(addr: SocketAddr, model: &str, i: usize, max_tokens: usize) ->
         }
     }
     if !done {
-        return Err(format!(
-            "stream ended early: {}",
-            String::from_utf8_lossy(&buf).chars().take(300).collect::<String>()
-        ));
+        anyhow::bail!("stream ended early: {}", String::from_utf8_lossy(&buf).chars().take(300).collect::<String>());
     }
     Ok(Sample { ttft: first.unwrap_or_else(|| t0.elapsed()), gaps, tokens })
 }
 
 /// The same request through the engine directly.
-async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> Result<Sample, String> {
-    let tenant = state.tenants.first().ok_or("no tenant")?;
+async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> anyhow::Result<Sample> {
+    let tenant = state.tenants.first().ok_or_else(|| anyhow::anyhow!("no tenant"))?;
     let Some(LoadedPlugin::Sampler(sampler)) = tenant.plugin(&tenant.default_sampler).map(|p| p.plugin) else {
-        return Err("no sampler".into());
+        anyhow::bail!("no sampler");
     };
     let t0 = Instant::now();
     let prompt = state.tok.encode_text(&prompt_text(i));
@@ -152,7 +149,7 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> Resul
         },
         logprobs: None,
     };
-    let mut h = state.engine.submit(req).map_err(|e| e.to_string())?;
+    let mut h = state.engine.submit(req)?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
     while let Some(ev) = h.events.recv().await {
         match ev {
@@ -168,16 +165,16 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> Resul
                 last = Some(now);
             }
             SeqEvent::Finished { .. } => break,
-            SeqEvent::Failed { error, .. } => return Err(error.to_string()),
+            SeqEvent::Failed { error, .. } => anyhow::bail!("{error}"),
         }
     }
     Ok(Sample { ttft: first.unwrap_or_else(|| t0.elapsed()), gaps, tokens })
 }
 
-async fn level<F, Fut>(concurrency: usize, requests: usize, one: F) -> Result<(Vec<Sample>, Duration), String>
+async fn level<F, Fut>(concurrency: usize, requests: usize, one: F) -> anyhow::Result<(Vec<Sample>, Duration)>
 where
     F: Fn(usize) -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = Result<Sample, String>> + Send,
+    Fut: std::future::Future<Output = anyhow::Result<Sample>> + Send,
 {
     let t = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -189,7 +186,7 @@ where
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if i >= requests {
-                    return Ok::<_, String>(out);
+                    return anyhow::Ok(out);
                 }
                 out.push(one(i).await?);
             }
@@ -197,7 +194,7 @@ where
     }
     let mut all = Vec::new();
     for t in tasks {
-        all.extend(t.await.map_err(|e| e.to_string())??);
+        all.extend(t.await??);
     }
     Ok((all, t.elapsed()))
 }
@@ -208,9 +205,9 @@ pub async fn bench_serve(
     levels: &[usize],
     requests_per_level: usize,
     max_tokens: usize,
-) -> Result<Vec<ServeBenchRow>, String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+) -> anyhow::Result<Vec<ServeBenchRow>> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
     let app = kimi_host::server::router(state.clone());
     let http = state.http.clone();
     tokio::spawn(kimi_host::server::listener::serve(listener, app, http, std::future::pending(), Duration::ZERO));

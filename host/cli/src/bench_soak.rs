@@ -450,10 +450,10 @@ fn pick(rng: &mut Rng) -> Scenario {
 struct ScratchDir(PathBuf);
 
 impl ScratchDir {
-    fn new() -> Result<ScratchDir, String> {
+    fn new() -> anyhow::Result<ScratchDir> {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let p = std::env::temp_dir().join(format!("kimi-soak-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).map_err(|e| format!("creating {}: {e}", p.display()))?;
+        std::fs::create_dir_all(&p).map_err(|e| anyhow::anyhow!("creating {}: {e}", p.display()))?;
         Ok(ScratchDir(p))
     }
 
@@ -479,7 +479,7 @@ impl Drop for ServerProcess {
     }
 }
 
-fn write_config(dir: &Path, addr: SocketAddr, model: &Path) -> Result<PathBuf, String> {
+fn write_config(dir: &Path, addr: SocketAddr, model: &Path) -> anyhow::Result<PathBuf> {
     let config = dir.join("soak.toml");
     let text = format!(
         "listen = \"{addr}\"\nmodel = \"{}\"\nmodel_name = \"soak\"\nplugin_cache = \"{}\"\n\
@@ -495,18 +495,18 @@ fn write_config(dir: &Path, addr: SocketAddr, model: &Path) -> Result<PathBuf, S
         key_hash(ACME_KEY),
         key_hash(MALLORY_KEY),
     );
-    std::fs::write(&config, text).map_err(|e| format!("writing {}: {e}", config.display()))?;
+    std::fs::write(&config, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", config.display()))?;
     Ok(config)
 }
 
-fn rss_bytes(pid: u32) -> Result<u64, String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("RSS: {e}"))?;
+fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| anyhow::anyhow!("RSS: {e}"))?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
-        .ok_or_else(|| "RSS: no VmRSS line".to_string())
+        .ok_or_else(|| anyhow::anyhow!("RSS: no VmRSS line"))
 }
 
 /// `name{labels} value` lines of the exposition text.
@@ -518,19 +518,17 @@ fn metric_lines(text: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
-async fn get_json(addr: SocketAddr, path: &str, key: Option<&str>) -> Result<(u16, Vec<u8>), String> {
+async fn get_json(addr: SocketAddr, path: &str, key: Option<&str>) -> anyhow::Result<(u16, Vec<u8>)> {
     let go = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
         let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: soak\r\n{auth}Connection: close\r\n\r\n").as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: soak\r\n{auth}Connection: close\r\n\r\n").as_bytes()).await?;
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await.map_err(|e| e.to_string())?;
-        let r = parse_response(&raw)?;
-        Ok::<_, String>((r.status, r.body))
+        s.read_to_end(&mut raw).await?;
+        let r = parse_response(&raw).map_err(anyhow::Error::msg)?;
+        anyhow::Ok((r.status, r.body))
     };
-    tokio::time::timeout(Duration::from_secs(30), go).await.map_err(|_| format!("GET {path} timed out"))?
+    tokio::time::timeout(Duration::from_secs(30), go).await.map_err(|_| anyhow::anyhow!("GET {path} timed out"))?
 }
 
 /// Runs the soak; `Err` only when it could not run at all (violations are in the report).
@@ -541,29 +539,29 @@ pub async fn soak(
     concurrency: usize,
     seed: u64,
     hostile: Option<Vec<u8>>,
-) -> Result<SoakReport, String> {
+) -> anyhow::Result<SoakReport> {
     let model = kimi_host::server::embedded::ensure_model()?;
     let dir = ScratchDir::new()?;
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
-        .map_err(|e| format!("finding a free port: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("finding a free port: {e}"))?;
     let config = write_config(dir.path(), addr, &model)?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let log = std::fs::File::create(dir.path().join("serve.log")).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe()?;
+    let log = std::fs::File::create(dir.path().join("serve.log"))?;
     let child = Command::new(exe)
         .args(["serve", "--config"])
         .arg(&config)
         .stdin(Stdio::null())
-        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()
-        .map_err(|e| format!("starting kimi-host serve: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("starting kimi-host serve: {e}"))?;
     let mut server = ServerProcess { child };
     let t = Instant::now();
-    while get_json(addr, "/health", None).await.map(|r| r.0) != Ok(200) {
+    while !matches!(get_json(addr, "/health", None).await, Ok((200, _))) {
         if t.elapsed() > Duration::from_secs(120) || server.child.try_wait().ok().flatten().is_some() {
             let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
-            return Err(format!("the server did not come up:\n{log}"));
+            anyhow::bail!("the server did not come up:\n{log}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -574,7 +572,7 @@ pub async fn soak(
             let upload = json!({"kind": "sampler", "name": "hostile", "component": b64}).to_string();
             let first = send(addr, "POST", "/v1/plugins", Some(MALLORY_KEY), upload.as_bytes(), Leave::Never).await;
             if !matches!(first, Outcome::Answered { status: 201, .. }) {
-                return Err(format!("uploading the misbehaving sampler failed: {first:?}"));
+                anyhow::bail!("uploading the misbehaving sampler failed: {first:?}");
             }
             Some(b64)
         }
@@ -615,7 +613,7 @@ pub async fn soak(
         });
     }
     for w in workers {
-        w.await.map_err(|e| format!("a soak worker failed: {e}"))?;
+        w.await.map_err(|e| anyhow::anyhow!("a soak worker failed: {e}"))?;
     }
     let ran = t0.elapsed();
     let mut violations = Vec::new();
@@ -625,7 +623,7 @@ pub async fn soak(
     let (pool_after, metrics_text) = loop {
         let (status, body) = get_json(addr, "/metrics", Some(OPERATOR_KEY)).await?;
         if status != 200 {
-            return Err(format!("/metrics answered {status}"));
+            anyhow::bail!("/metrics answered {status}");
         }
         let metrics_text = String::from_utf8_lossy(&body).into_owned();
         let pool_after: BTreeMap<String, f64> = metric_lines(&metrics_text)
@@ -751,14 +749,14 @@ pub async fn soak(
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t_term = Instant::now();
-    let pid_t = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
+    let pid_t = libc::pid_t::try_from(pid).map_err(|_| anyhow::anyhow!("pid {pid} out of range"))?;
     // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped) and a valid signal.
     if unsafe { libc::kill(pid_t, libc::SIGTERM) } != 0 {
-        return Err("could not send SIGTERM to the server".into());
+        anyhow::bail!("could not send SIGTERM to the server");
     }
     let mut ended = 0;
     for s in streams {
-        match s.await.map_err(|e| e.to_string())? {
+        match s.await? {
             Outcome::Answered { well_formed: Ok(()), .. } => ended += 1,
             other => {
                 if violations.len() < 40 {
@@ -768,7 +766,7 @@ pub async fn soak(
         }
     }
     let exit = loop {
-        if let Some(st) = server.child.try_wait().map_err(|e| e.to_string())? {
+        if let Some(st) = server.child.try_wait()? {
             break Some(st);
         }
         if t_term.elapsed() > Duration::from_secs(GRACE_S + 10) {

@@ -81,7 +81,7 @@ fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelE
         } else {
             std::io::BufReader::new(f).read_to_string(&mut text).map_err(|e| io(&p, e))?;
         }
-        let map = parse_weight_map(&text).map_err(|msg| ModelError::Header { path: p.display().to_string(), msg })?;
+        let map = parse_weight_map(&text, &p)?;
         return Ok(Some((file.to_string(), map.into_keys().collect())));
     }
     if dir.join("model.safetensors").exists() {

@@ -285,7 +285,7 @@ fn server_state(
             if cfg.model_name.is_none() {
                 cfg.model_name = Some(embedded::MODEL_NAME.to_string());
             }
-            embedded::ensure_model().map_err(anyhow::Error::msg)?
+            embedded::ensure_model()?
         }
     };
     let state = std::sync::Arc::new(AppState::build(&cfg, &model_dir)?);
@@ -373,9 +373,12 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
             let (_, state) = server_state(config, model, None)?;
             let engine = state.engine.clone();
-            let rows = runtime()?
-                .block_on(kimi_host_cli::bench_serve::bench_serve(state, &concurrency, requests, max_tokens))
-                .map_err(anyhow::Error::msg)?;
+            let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
+                state,
+                &concurrency,
+                requests,
+                max_tokens,
+            ))?;
             engine.shutdown(std::time::Duration::from_secs(1));
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -527,14 +530,12 @@ fn soak_cmd(duration: u64, concurrency: usize, seed: u64, hostile: Option<PathBu
         Some(p) => Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?),
         None => std::fs::read(&built).ok(),
     };
-    let report = runtime()?
-        .block_on(kimi_host_cli::bench_soak::soak(
-            std::time::Duration::from_secs(duration),
-            concurrency.max(1),
-            seed,
-            hostile,
-        ))
-        .map_err(anyhow::Error::msg)?;
+    let report = runtime()?.block_on(kimi_host_cli::bench_soak::soak(
+        std::time::Duration::from_secs(duration),
+        concurrency.max(1),
+        seed,
+        hostile,
+    ))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -1,8 +1,8 @@
 //! Safetensors checkpoints, single-file or sharded (`model.safetensors.index.json`), memory-mapped.
 //!
-//! Headers are parsed here (not with `SafeTensors::deserialize`) so that a truncated file or a bad
-//! entry is reported with the tensor's name. Tensor bytes are never copied unless their offset is
-//! not aligned for their element type.
+//! Headers are parsed and validated by the `safetensors` crate's `Metadata`; a truncated file or
+//! a tensor whose shape does not match its bytes is still reported with the tensor's name. Tensor
+//! bytes are never copied unless their offset is not aligned for their element type.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
+use safetensors::tensor::Metadata;
 use serde_json::Value;
 
 use super::error::ModelError;
@@ -29,21 +30,24 @@ pub enum Dtype {
     Other,
 }
 
-impl Dtype {
-    fn parse(s: &str) -> Dtype {
-        match s {
-            "BF16" => Dtype::Bf16,
-            "F16" => Dtype::F16,
-            "F32" => Dtype::F32,
-            "F64" => Dtype::F64,
-            "U8" => Dtype::U8,
-            "I8" => Dtype::I8,
-            "I32" => Dtype::I32,
-            "I64" => Dtype::I64,
+impl From<safetensors::Dtype> for Dtype {
+    fn from(d: safetensors::Dtype) -> Dtype {
+        use safetensors::Dtype as S;
+        match d {
+            S::BF16 => Dtype::Bf16,
+            S::F16 => Dtype::F16,
+            S::F32 => Dtype::F32,
+            S::F64 => Dtype::F64,
+            S::U8 => Dtype::U8,
+            S::I8 => Dtype::I8,
+            S::I32 => Dtype::I32,
+            S::I64 => Dtype::I64,
             _ => Dtype::Other,
         }
     }
+}
 
+impl Dtype {
     pub fn size(self) -> usize {
         match self {
             Dtype::U8 | Dtype::I8 => 1,
@@ -112,18 +116,14 @@ impl TensorBytes {
     pub fn bytes(&self) -> &[u8] {
         match self {
             TensorBytes::Mapped { map, start, len } => &map[*start..*start + *len],
-            TensorBytes::Owned(words, len) => {
-                // SAFETY: a Vec<u64> buffer viewed as its first `len` bytes.
-                unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, *len) }
-            }
+            TensorBytes::Owned(words, len) => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
         }
     }
 
     /// Copies `bytes` into 8-aligned storage.
     fn owned(bytes: &[u8]) -> TensorBytes {
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        // SAFETY: the destination holds at least bytes.len() bytes.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr() as *mut u8, bytes.len()) };
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
         TensorBytes::Owned(Arc::new(words), bytes.len())
     }
 }
@@ -134,8 +134,7 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
-            let map =
-                parse_weight_map(&text).map_err(|msg| ModelError::Header { path: index.display().to_string(), msg })?;
+            let map = parse_weight_map(&text, &index)?;
             let mut files: Vec<String> = map.values().cloned().collect();
             files.sort();
             files.dedup();
@@ -209,50 +208,29 @@ impl Checkpoint {
         if n > 100 << 20 || 8 + n > map.len() {
             return Err(bad(format!("header length {n} does not fit in the file's {} bytes", map.len())));
         }
-        let header: HashMap<String, Value> =
-            serde_json::from_slice(&map[8..8 + n]).map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+        let header = &map[8..8 + n];
+        // The crate's metadata parser checks dtypes, shape overflow, shape × dtype = byte span,
+        // and that the spans tile the data section; its shape errors carry no tensor name, so
+        // those are located by `name_the_bad_tensor` for the message.
+        let meta: Metadata = serde_json::from_slice(header).map_err(|e| {
+            bad(match name_the_bad_tensor(header) {
+                Some(which) => which,
+                None => format!("header: {e}"),
+            })
+        })?;
         let data_start = 8 + n;
         let shard = self.shards.len();
-        for (name, entry) in header {
-            if name == "__metadata__" {
-                continue;
-            }
-            let dtype = entry
-                .get("dtype")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad(format!("tensor `{name}` has no dtype")))?;
-            let shape: Vec<usize> = entry
-                .get("shape")
-                .and_then(Value::as_array)
-                .and_then(|a| a.iter().map(|d| d.as_u64().map(|x| x as usize)).collect())
-                .ok_or_else(|| bad(format!("tensor `{name}` has no valid shape")))?;
-            let offs: Vec<usize> = entry
-                .get("data_offsets")
-                .and_then(Value::as_array)
-                .and_then(|a| a.iter().map(|d| d.as_u64().map(|x| x as usize)).collect())
-                .filter(|v: &Vec<usize>| v.len() == 2 && v[0] <= v[1])
-                .ok_or_else(|| bad(format!("tensor `{name}` has no valid data_offsets")))?;
-            let dtype = Dtype::parse(dtype);
-            // Checked: a hostile header's shape must not overflow the size arithmetic.
-            let nbytes = shape
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .and_then(|n| n.checked_mul(dtype.size()))
-                .ok_or_else(|| bad(format!("tensor `{name}`: shape {shape:?} is too large")))?;
-            if dtype != Dtype::Other && offs[1] - offs[0] != nbytes {
-                return Err(bad(format!(
-                    "tensor `{name}`: shape {shape:?} of {} needs {nbytes} bytes but data_offsets span {}",
-                    dtype.name(),
-                    offs[1] - offs[0]
-                )));
-            }
-            let (Some(start), Some(end)) = (data_start.checked_add(offs[0]), data_start.checked_add(offs[1])) else {
-                return Err(bad(format!("tensor `{name}`: data_offsets {offs:?} are too large")));
+        for name in meta.offset_keys() {
+            let Some(info) = meta.info(&name) else { continue };
+            let (s, e) = info.data_offsets;
+            let (Some(start), Some(end)) = (data_start.checked_add(s), data_start.checked_add(e)) else {
+                return Err(bad(format!("tensor `{name}`: data_offsets ({s}, {e}) are too large")));
             };
             if end > map.len() {
                 return Err(ModelError::Truncated { name, path: p.clone(), need: end as u64, have: map.len() as u64 });
             }
-            self.tensors.insert(name, TensorInfo { dtype, shape, shard, start, end });
+            let dtype = Dtype::from(info.dtype);
+            self.tensors.insert(name, TensorInfo { dtype, shape: info.shape.clone(), shard, start, end });
         }
         self.shards.push(Shard { path: path.to_path_buf(), map: Arc::new(map) });
         Ok(())
@@ -307,7 +285,7 @@ impl Checkpoint {
     pub fn read_f32(&self, info: &TensorInfo) -> Vec<f32> {
         let b = &self.shards[info.shard].map[info.start..info.end];
         match info.dtype {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(bytemuck::pod_read_unaligned(c))).collect(),
             Dtype::Bf16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             Dtype::F64 => {
@@ -333,15 +311,50 @@ impl Checkpoint {
     }
 }
 
-/// `weight_map` of a `model.safetensors.index.json`.
-pub fn parse_weight_map(text: &str) -> Result<BTreeMap<String, String>, String> {
-    let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    let wm = v.get("weight_map").and_then(Value::as_object).ok_or("no `weight_map` object")?;
-    wm.iter()
-        .map(|(k, f)| {
-            f.as_str().map(|f| (k.clone(), f.to_string())).ok_or_else(|| format!("`{k}` maps to a non-string"))
-        })
-        .collect()
+/// For a header the crate refused: the first tensor whose shape and dtype do not match its byte
+/// span (or whose size overflows), described with its name.
+fn name_the_bad_tensor(header: &[u8]) -> Option<String> {
+    let entries: HashMap<String, Value> = serde_json::from_slice(header).ok()?;
+    let mut names: Vec<&String> = entries.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        let Ok(t) = serde_json::from_value::<safetensors::tensor::TensorInfo>(entries[name].clone()) else {
+            return Some(format!("tensor `{name}` has no valid dtype, shape and data_offsets"));
+        };
+        let (s, e) = t.data_offsets;
+        let bits =
+            t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).and_then(|n| n.checked_mul(t.dtype.bitsize()));
+        match bits {
+            None => return Some(format!("tensor `{name}`: shape {:?} is too large", t.shape)),
+            Some(b) if e < s || b.div_ceil(8) != e - s => {
+                return Some(format!(
+                    "tensor `{name}`: shape {:?} of {:?} needs {} bytes but data_offsets ({s}, {e}) span {}",
+                    t.shape,
+                    t.dtype,
+                    b.div_ceil(8),
+                    e.saturating_sub(s)
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    None
+}
+
+/// `model.safetensors.index.json`: which shard holds each tensor (other keys are ignored).
+#[derive(serde::Deserialize)]
+struct IndexWire {
+    weight_map: BTreeMap<String, String>,
+}
+
+/// `weight_map` of a `model.safetensors.index.json` at `path` (named in the error).
+pub fn parse_weight_map(text: &str, path: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let index: IndexWire = serde_path_to_error::deserialize(&mut de).map_err(|e| ModelError::Header {
+        path: path.display().to_string(),
+        msg: format!("{}: {}", e.path(), e.inner()),
+    })?;
+    Ok(index.weight_map)
 }
 
 fn io(path: &Path, e: std::io::Error) -> ModelError {

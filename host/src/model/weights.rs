@@ -33,15 +33,13 @@ impl Weight {
     pub fn m(&self) -> Matrix<'_> {
         match &self.store {
             WeightStore::Bf16(b) => {
-                let bytes = b.bytes();
-                // SAFETY: the checkpoint loader guarantees 2-byte alignment (or copied the bytes).
-                let data = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2) };
+                // The checkpoint loader hands out 2-aligned bytes (copying when the file's are not),
+                // and checked the byte span against the shape, so the cast cannot fail.
+                let data: &[u16] = bytemuck::try_cast_slice(b.bytes()).unwrap_or(&[]);
                 Matrix::Bf16(Bf16Matrix::new(data, self.rows, self.cols))
             }
             WeightStore::F32(b) => {
-                let bytes = b.bytes();
-                // SAFETY: 4-byte alignment as above.
-                let data = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) };
+                let data: &[f32] = bytemuck::try_cast_slice(b.bytes()).unwrap_or(&[]);
                 Matrix::F32(F32Matrix { data, rows: self.rows, cols: self.cols })
             }
             WeightStore::Mxfp4 { packed, scales } => {

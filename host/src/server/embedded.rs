@@ -16,14 +16,25 @@ pub fn cache_base() -> PathBuf {
     crate::util::cache_base().unwrap_or_else(|| std::env::temp_dir().join("kimi-host"))
 }
 
+/// Why the embedded model could not be provided.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedModelError {
+    #[error("cannot create the model cache {path}: {source}")]
+    Cache { path: PathBuf, source: std::io::Error },
+    #[error("generating the embedded model: {0}")]
+    Generate(#[from] crate::model::ModelError),
+    #[error("cannot place the embedded model at {0}")]
+    Place(PathBuf),
+}
+
 /// The embedded model's directory, generated on first use.
-pub fn ensure_model() -> Result<PathBuf, String> {
+pub fn ensure_model() -> Result<PathBuf, EmbeddedModelError> {
     let dir = cache_base().join("models").join(NAME);
     if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
         return Ok(dir);
     }
-    let parent = dir.parent().ok_or("bad cache directory")?;
-    std::fs::create_dir_all(parent).map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+    let parent = dir.parent().unwrap_or(&dir);
+    std::fs::create_dir_all(parent).map_err(|source| EmbeddedModelError::Cache { path: parent.into(), source })?;
     let tmp = parent.join(format!(".{NAME}.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let bar = indicatif::ProgressBar::new_spinner();
@@ -31,12 +42,12 @@ pub fn ensure_model() -> Result<PathBuf, String> {
     bar.enable_steady_tick(Duration::from_millis(100));
     let made = make_tiny(&tmp, &TinyOptions { seed: 0x4b33, k31: true, mxfp4: true });
     bar.finish_and_clear();
-    made.map_err(|e| format!("generating the embedded model: {e}"))?;
+    made?;
     // Another process may have finished first; either copy is the same model.
     if std::fs::rename(&tmp, &dir).is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
         if !dir.join("config.json").exists() {
-            return Err(format!("cannot place the embedded model at {}", dir.display()));
+            return Err(EmbeddedModelError::Place(dir));
         }
     }
     eprintln!("embedded model ready: {}", dir.display());

@@ -68,6 +68,10 @@ pub enum ServeError {
     Setup(String),
     #[error("engine: {0}")]
     Engine(#[from] crate::engine::EngineStartError),
+    #[error(transparent)]
+    Tenant(#[from] tenants::TenantError),
+    #[error(transparent)]
+    Embedded(#[from] embedded::EmbeddedModelError),
 }
 
 impl AppState {
@@ -105,8 +109,7 @@ impl AppState {
             .tenants
             .iter()
             .map(|t| Tenant::from_config(t, &runtime, &env, &quotas).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(ServeError::Setup)?;
+            .collect::<Result<Vec<_>, _>>()?;
         let max_context = cfg.limits.max_context.map_or(model.text_config().max_position_embeddings, |m| {
             m.min(model.text_config().max_position_embeddings)
         });

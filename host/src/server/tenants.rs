@@ -176,6 +176,19 @@ impl PluginRef {
     }
 }
 
+/// Why a configured tenant could not be set up (named at start-up).
+#[derive(Debug, thiserror::Error)]
+pub enum TenantError {
+    #[error("tenant `{tenant}`: {source}")]
+    Reference { tenant: String, source: PluginRefError },
+    #[error("tenant `{tenant}`: `{reference}`: {source}")]
+    Plugin { tenant: String, reference: String, source: PluginError },
+    #[error("tenant `{tenant}`: `{reference}` is a {found} plugin, not a {want}")]
+    WrongKind { tenant: String, reference: String, found: &'static str, want: &'static str },
+    #[error("tenant `{tenant}`: policy config: {source}")]
+    PolicyConfig { tenant: String, source: serde_json::Error },
+}
+
 /// Names starting with this are the builtins'.
 pub const BUILTIN_PREFIX: &str = "builtin:";
 
@@ -185,29 +198,34 @@ impl Tenant {
         runtime: &Arc<PluginRuntime>,
         env: &Arc<PluginEnv>,
         quotas: &Arc<dyn QuotaStore>,
-    ) -> Result<Tenant, String> {
+    ) -> Result<Tenant, TenantError> {
         let services = Arc::new(TenantServices::new(&c.name, quotas.clone(), c.quota_store_failure));
         let mut plugins = BTreeMap::new();
-        let mut load = |reference: &str, want: PluginKind| -> Result<String, String> {
+        let tenant = || c.name.clone();
+        let mut load = |reference: &str, want: PluginKind| -> Result<String, TenantError> {
             let r = PluginRef::parse(reference);
             let name = r.name();
             if plugins.contains_key(&name) {
                 return Ok(name);
             }
-            let bytes = r.bytes().map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let bytes = r.bytes().map_err(|source| TenantError::Reference { tenant: tenant(), source })?;
+            let plugin_err = |source: PluginError| TenantError::Plugin {
+                tenant: tenant(),
+                reference: reference.to_string(),
+                source,
+            };
             let builtin = matches!(r, PluginRef::Builtin(_));
-            let mut compiled = runtime.load(&name, &bytes).map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let mut compiled = runtime.load(&name, &bytes).map_err(plugin_err)?;
             compiled.trusted = builtin;
             if compiled.kind != want {
-                return Err(format!(
-                    "tenant `{}`: `{reference}` is a {} plugin, not a {}",
-                    c.name,
-                    compiled.kind.name(),
-                    want.name()
-                ));
+                return Err(TenantError::WrongKind {
+                    tenant: tenant(),
+                    reference: reference.to_string(),
+                    found: compiled.kind.name(),
+                    want: want.name(),
+                });
             }
-            let plugin = instantiate(runtime, &compiled, env, &services, &c.name)
-                .map_err(|e| format!("tenant `{}`: {e}", c.name))?;
+            let plugin = instantiate(runtime, &compiled, env, &services, &c.name).map_err(plugin_err)?;
             let origin = if builtin { PluginOrigin::Builtin } else { PluginOrigin::Configured };
             let health = plugin.health();
             plugins.insert(
@@ -223,7 +241,8 @@ impl Tenant {
         for p in &c.plugins.policies {
             let name = load(&p.plugin, PluginKind::Policy)?;
             let config = match &p.config {
-                Some(v) => serde_json::to_string(v).map_err(|e| format!("tenant `{}`: policy config: {e}", c.name))?,
+                Some(v) => serde_json::to_string(v)
+                    .map_err(|source| TenantError::PolicyConfig { tenant: c.name.clone(), source })?,
                 None => "{}".into(),
             };
             policies.push((name, config));
