@@ -140,31 +140,10 @@ struct PluginChoice {
     grammar: Option<String>,
 }
 
-/// The keys [`CommonWire`] reads.
-const COMMON_KEYS: [&str; 11] = [
-    "model",
-    "n",
-    "max_tokens",
-    "max_completion_tokens",
-    "stream",
-    "stream_options",
-    "stop",
-    "seed",
-    "logprobs",
-    "top_logprobs",
-    "plugins",
-];
-
-/// Deserializes `keys` of `body` (only those are copied) into `T`; a failure names the path,
-/// under `prefix` (e.g. `sampler_params.`).
-fn typed<T: serde::de::DeserializeOwned>(
-    body: &Map<String, Value>,
-    keys: &[&str],
-    prefix: &str,
-) -> Result<T, ApiError> {
-    let sub: Map<String, Value> =
-        keys.iter().filter_map(|k| body.get(*k).filter(|v| !v.is_null()).map(|v| (k.to_string(), v.clone()))).collect();
-    serde_path_to_error::deserialize(Value::Object(sub)).map_err(|e| {
+/// Deserializes the fields of `body` that `T` names (the rest are skipped, not copied) into
+/// `T`; a failure names the path, under `prefix` (e.g. `sampler_params.`).
+fn typed<'a, T: Deserialize<'a>>(body: &'a Map<String, Value>, prefix: &str) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
         let path = e.path().to_string();
         let top = path.split(['.', '[']).next().unwrap_or_default();
         ApiError::param(&format!("{prefix}{top}"), format!("{prefix}{path}: {}", e.inner()))
@@ -183,14 +162,14 @@ fn in_range(key: &str, v: Option<i64>, lo: i64, hi: i64) -> Result<Option<i64>, 
 /// The standard sampling fields of `body` (their one definition, `kimi-sampling-params`),
 /// checked.
 fn sampling(body: &Map<String, Value>, vocab: u32, prefix: &str) -> Result<SamplingParams, ApiError> {
-    let p: SamplingParams = typed(body, &SamplingParams::NAMES, prefix)?;
+    let p: SamplingParams = typed(body, prefix)?;
     p.check(vocab).map_err(|e| ApiError::param(&format!("{prefix}{}", e.param), format!("{prefix}{}", e.message)))?;
     Ok(p)
 }
 
 /// Reads and checks the common fields; `vocab` bounds `logit_bias` keys.
 pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result<GenParams, ApiError> {
-    let w: CommonWire = typed(body, &COMMON_KEYS, "")?;
+    let w: CommonWire = typed(body, "")?;
     let model = match w.model {
         Some(s) if !s.is_empty() => s,
         Some(_) => return Err(ApiError::param("model", "model must be a non-empty string")),

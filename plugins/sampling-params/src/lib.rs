@@ -56,18 +56,6 @@ impl std::fmt::Display for ParamError {
 impl std::error::Error for ParamError {}
 
 impl SamplingParams {
-    /// The field names, as on the wire.
-    pub const NAMES: [&'static str; 8] = [
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-    ];
-
     /// Checks every set field against its range; `vocab` bounds `logit_bias` ids.
     pub fn check(&self, vocab: u32) -> Result<(), ParamError> {
         range("temperature", self.temperature, 0.0, 2.0, Ends::Closed)?;
