@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use kimi_host::model::checkpoint::Checkpoint;
-use kimi_host::model::{LogitsFor, Model, ModelError};
+use kimi_host::model::{LogitsFor, Model, ModelError, SeqInput, SequenceState};
 
 #[derive(Debug, Serialize)]
 pub struct ForwardBench {
@@ -17,16 +17,36 @@ pub struct ForwardBench {
     pub threads: usize,
     pub prompt_len: usize,
     pub decode_steps: usize,
+    /// One prompt alone.
     pub prefill_seconds: f64,
     pub prefill_tokens_per_s: f64,
+    /// Decode of the first batch size (batch 1 by default), kept at the top for comparisons.
     pub decode_seconds: f64,
     pub decode_tokens_per_s: f64,
-    /// Weight bytes one decode token reads (non-routed weights except the embedding table, plus
-    /// top-k/E of the routed experts).
+    /// Weight bytes one decode token reads alone (non-routed weights except the embedding table,
+    /// plus top-k/E of the routed experts).
     pub weight_bytes_per_decode_token: u64,
     pub effective_weight_gb_per_s: f64,
     pub measured_read_gb_per_s: f64,
     pub decode_bandwidth_ratio: f64,
+    /// One row per `--batch` size, all in this run.
+    pub batches: Vec<BatchRun>,
+}
+
+/// Decode of `batch` sequences stepped together: one batched forward per step.
+#[derive(Debug, Serialize)]
+pub struct BatchRun {
+    pub batch: usize,
+    pub decode_seconds: f64,
+    /// Tokens of all sequences per second.
+    pub decode_tokens_per_s: f64,
+    /// Weight bytes one step reads: the non-routed weights once, plus the routed experts the
+    /// batch's tokens are expected to touch (`E · (1 − (1 − k/E)^batch)`, uniform routing).
+    pub weight_bytes_per_step: u64,
+    pub effective_weight_gb_per_s: f64,
+    pub bandwidth_ratio: f64,
+    /// Aggregate decode tokens/s over the first batch size's.
+    pub speedup: f64,
 }
 
 /// Best-of-3 multithreaded read bandwidth over a buffer of `bytes`.
@@ -43,10 +63,10 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
     best
 }
 
-fn decode_bytes_per_token(dir: &Path, model: &Model) -> Result<u64, ModelError> {
+/// (non-routed weight bytes without the embedding table, routed expert bytes).
+fn weight_bytes(dir: &Path) -> Result<(u64, u64), ModelError> {
     let ck = Checkpoint::open(dir)?;
-    let c = model.text_config();
-    let mut total = 0u64;
+    let mut dense = 0u64;
     let mut routed = 0u64;
     for (name, info) in ck.tensors() {
         if name.contains("embed_tokens") {
@@ -55,41 +75,102 @@ fn decode_bytes_per_token(dir: &Path, model: &Model) -> Result<u64, ModelError> 
         if name.contains(".experts.") {
             routed += info.nbytes() as u64;
         } else {
-            total += info.nbytes() as u64;
+            dense += info.nbytes() as u64;
         }
     }
-    let share = if c.num_experts > 0 { routed * c.experts_per_token as u64 / c.num_experts as u64 } else { 0 };
-    Ok(total + share)
+    Ok((dense, routed))
 }
 
-pub fn bench_forward(dir: &Path, prompt_len: usize, decode: usize) -> Result<ForwardBench, ModelError> {
-    let model = Model::load(dir)?;
-    let c = model.text_config();
-    // Deterministic pseudo-random prompt over the ordinary (non-special) ids.
-    let ordinary = c.vocab_size.saturating_sub(256).max(1) as u64;
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let prompt: Vec<u32> = (0..prompt_len.max(1))
+/// Expected share of the routed experts that `batch` tokens touch, each picking `k` of `e`.
+fn routed_share(k: usize, e: usize, batch: usize) -> f64 {
+    if e == 0 {
+        return 0.0;
+    }
+    1.0 - (1.0 - k as f64 / e as f64).powi(batch as i32)
+}
+
+/// A deterministic pseudo-random prompt over the ordinary (non-special) ids.
+fn prompt(vocab: usize, len: usize, seed: u64) -> Vec<u32> {
+    let ordinary = vocab.saturating_sub(256).max(1) as u64;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0xd1b5_4a32_d192_ed03);
+    (0..len.max(1))
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             (x % ordinary) as u32
         })
-        .collect();
-    let mut state = model.new_state();
-    let t = Instant::now();
-    let mut logits = model.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
-    let prefill = t.elapsed().as_secs_f64();
+        .collect()
+}
+
+/// Prefills `batch` different prompts (one batched step each chunk of sequences), then times
+/// `decode` steps of all of them together.
+fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -> Result<f64, ModelError> {
+    let c = model.text_config();
+    let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(c.vocab_size, prompt_len, i as u64)).collect();
+    let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
+    // Prefill in groups, so one step's batch stays near the engine's token budget.
+    let group = (2048 / prompt_len.max(1)).max(1);
+    let mut next: Vec<u32> = Vec::with_capacity(batch);
+    for (ps, ss) in prompts.chunks(group).zip(states.chunks_mut(group)) {
+        let mut inputs: Vec<SeqInput<'_>> = ps
+            .iter()
+            .zip(ss.iter_mut())
+            .map(|(ids, state)| SeqInput { ids, state, logits: LogitsFor::LastToken })
+            .collect();
+        next.extend(model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32));
+    }
     let t = Instant::now();
     for _ in 0..decode {
-        let next = argmax(&logits) as u32;
-        logits = model.forward(&[next], &mut state, LogitsFor::LastToken, None)?;
+        let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut inputs: Vec<SeqInput<'_>> = ids
+            .iter()
+            .zip(states.iter_mut())
+            .map(|(ids, state)| SeqInput { ids, state, logits: LogitsFor::LastToken })
+            .collect();
+        next = model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32).collect();
     }
-    let decode_s = t.elapsed().as_secs_f64();
-    let bytes = decode_bytes_per_token(dir, &model)?;
-    let decode_tps = if decode > 0 { decode as f64 / decode_s } else { 0.0 };
-    let eff = bytes as f64 * decode_tps / 1e9;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+pub fn bench_forward(
+    dir: &Path,
+    prompt_len: usize,
+    decode: usize,
+    batches: &[usize],
+) -> Result<ForwardBench, ModelError> {
+    let model = Model::load(dir)?;
+    let c = model.text_config();
+    let prompt = prompt(c.vocab_size, prompt_len, 0);
+    let mut state = model.new_state();
+    let t = Instant::now();
+    model.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
+    let prefill = t.elapsed().as_secs_f64();
     let bw = measure_read_bandwidth(1 << 29);
+    let (dense, routed) = weight_bytes(dir)?;
+    let batches = if batches.is_empty() { &[1][..] } else { batches };
+    let mut runs: Vec<BatchRun> = Vec::new();
+    for &b in batches {
+        let b = b.max(1);
+        let secs = decode_batch(&model, prompt.len(), b, decode)?;
+        let tps = if decode > 0 { (b * decode) as f64 / secs } else { 0.0 };
+        let bytes = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, b)) as u64;
+        let steps_per_s = if decode > 0 { decode as f64 / secs } else { 0.0 };
+        let eff = bytes as f64 * steps_per_s / 1e9;
+        let speedup = runs.first().map_or(1.0, |f| tps / f.decode_tokens_per_s.max(1e-12));
+        runs.push(BatchRun {
+            batch: b,
+            decode_seconds: secs,
+            decode_tokens_per_s: tps,
+            weight_bytes_per_step: bytes,
+            effective_weight_gb_per_s: eff,
+            bandwidth_ratio: eff / bw,
+            speedup,
+        });
+    }
+    let first = &runs[0];
+    let per_token = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, 1)) as u64;
+    let first_eff = per_token as f64 * first.decode_tokens_per_s / first.batch as f64 / 1e9;
     Ok(ForwardBench {
         simd: kimi_kernels::simd_level().name(),
         threads: rayon::current_num_threads(),
@@ -97,12 +178,13 @@ pub fn bench_forward(dir: &Path, prompt_len: usize, decode: usize) -> Result<For
         decode_steps: decode,
         prefill_seconds: prefill,
         prefill_tokens_per_s: prompt.len() as f64 / prefill,
-        decode_seconds: decode_s,
-        decode_tokens_per_s: decode_tps,
-        weight_bytes_per_decode_token: bytes,
-        effective_weight_gb_per_s: eff,
+        decode_seconds: first.decode_seconds,
+        decode_tokens_per_s: first.decode_tokens_per_s,
+        weight_bytes_per_decode_token: per_token,
+        effective_weight_gb_per_s: first_eff,
         measured_read_gb_per_s: bw,
-        decode_bandwidth_ratio: eff / bw,
+        decode_bandwidth_ratio: first_eff / bw,
+        batches: runs,
     })
 }
 
@@ -119,7 +201,11 @@ pub fn argmax(v: &[f32]) -> usize {
 
 impl std::fmt::Display for ForwardBench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "simd {} · {} threads", self.simd, self.threads)?;
+        writeln!(
+            f,
+            "simd {} · {} threads · measured read bandwidth {:.2} GB/s",
+            self.simd, self.threads, self.measured_read_gb_per_s
+        )?;
         writeln!(
             f,
             "prefill {:>6} tokens: {:>10.1} tokens/s ({:.3} s)",
@@ -127,18 +213,23 @@ impl std::fmt::Display for ForwardBench {
         )?;
         writeln!(
             f,
-            "decode  {:>6} steps:  {:>10.2} tokens/s ({:.2} ms/token)",
-            self.decode_steps,
-            self.decode_tokens_per_s,
-            1e3 / self.decode_tokens_per_s.max(1e-12)
+            "decode {} steps after a {}-token prompt, every batch size in this run:",
+            self.decode_steps, self.prompt_len
         )?;
-        writeln!(
-            f,
-            "decode reads {:.2} MB of weights per token → {:.2} GB/s effective; measured read bandwidth {:.2} GB/s; ratio {:.3}",
-            self.weight_bytes_per_decode_token as f64 / 1e6,
-            self.effective_weight_gb_per_s,
-            self.measured_read_gb_per_s,
-            self.decode_bandwidth_ratio
-        )
+        writeln!(f, "  batch   tokens/s   ms/step   weights/step   GB/s   ÷bandwidth   ×first")?;
+        for r in &self.batches {
+            writeln!(
+                f,
+                "  {:>5} {:>10.2} {:>9.2} {:>11.2} MB {:>6.2} {:>11.3} {:>8.2}",
+                r.batch,
+                r.decode_tokens_per_s,
+                1e3 * r.decode_seconds / self.decode_steps.max(1) as f64,
+                r.weight_bytes_per_step as f64 / 1e6,
+                r.effective_weight_gb_per_s,
+                r.bandwidth_ratio,
+                r.speedup
+            )?;
+        }
+        Ok(())
     }
 }

@@ -236,6 +236,9 @@ enum BenchCommand {
         prompt_len: usize,
         #[arg(long, default_value_t = 32)]
         decode: usize,
+        /// Sequences decoded together, one run per size (e.g. `1,8,64`); ratios are against the first.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        batch: Vec<usize>,
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
@@ -389,11 +392,11 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
             soak_cmd(duration, concurrency, seed, hostile, json)?
         }
-        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, threads, json }) => {
+        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, json }) => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
-            let r = bench_forward(&model, prompt_len, decode)?;
+            let r = bench_forward(&model, prompt_len, decode, &batch)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {

@@ -17,7 +17,7 @@ use super::{
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
-use crate::model::{LogitsFor, Model, SequenceState};
+use crate::model::{LogitsFor, Model, SeqInput, SequenceState};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
@@ -56,6 +56,14 @@ impl Running {
 /// A masked row: (row, request, sequence, its matcher back, the unmasked logits when logprobs
 /// need them, a failure).
 type Masked = (usize, usize, usize, ConstraintMatcher, Option<Vec<f32>>, Option<EngineError>);
+
+/// One sequence's place in the step's batch: a decode token (`seq`) or a prefill chunk of
+/// `tokens` prompt tokens of a request (`seq: None`, into sequence 0's state).
+struct Entry {
+    run: usize,
+    seq: Option<usize>,
+    tokens: usize,
+}
 
 /// A row to sample: (request, sequence) and its logits.
 struct Row {
@@ -316,71 +324,96 @@ impl Worker {
         let model = self.model.clone();
         let mut rows: Vec<Row> = Vec::new();
         let mut failures: Vec<(usize, Option<usize>, EngineError)> = Vec::new();
+        let prefill_tokens: usize = prefill.iter().map(|p| p.1).sum();
 
-        // Decode: one token per live sequence, sequences in parallel.
-        {
-            let mut work: Vec<(usize, &mut Seq)> = Vec::new();
-            for (ri, r) in self.running.iter_mut().enumerate() {
-                if r.in_prefill() {
-                    continue;
+        // One batch for the whole step: a token per decoding sequence, then the prefill chunks.
+        // Each entry is checked (and passed through the fault probe) on its own first, so a bad
+        // sequence fails alone; the batch then runs as one forward call.
+        let mut entries: Vec<Entry> = Vec::new();
+        let mut inputs: Vec<SeqInput<'_>> = Vec::new();
+        let probe = &self.config.fault_probe;
+        let mut chunks = prefill.iter().copied().peekable();
+        for (ri, r) in self.running.iter_mut().enumerate() {
+            let Running { req, seqs, prefilled, .. } = r;
+            let take = match chunks.peek() {
+                Some(&(i, take)) if i == ri => {
+                    chunks.next();
+                    Some(take)
                 }
-                for s in r.seqs.iter_mut().filter(|s| !s.done && s.next.is_some()) {
-                    work.push((ri, s));
-                }
-            }
-            self.stats.decode_tokens.fetch_add(work.len() as u64, Ordering::Relaxed);
-            let probe = &self.config.fault_probe;
-            let out: Vec<(usize, usize, Result<Vec<f32>, EngineError>)> = work
-                .into_par_iter()
-                .map(|(ri, s)| {
-                    let t = s.next.unwrap_or(0);
-                    let r = contain(|| {
-                        if let Some(p) = probe {
-                            (p.0)(FaultPoint::Forward, &[t]);
-                        }
-                        model.forward(&[t], &mut s.state, LogitsFor::LastToken, None)
-                    });
-                    (ri, s.index, r)
-                })
-                .collect();
-            for (run, seq, r) in out {
-                match r {
-                    Ok(logits) => rows.push(Row { run, seq, logits }),
-                    Err(e) => failures.push((run, Some(seq), e)),
+                _ => None,
+            };
+            let admitted = if *prefilled < req.prompt.len() {
+                let Some(take) = take else { continue };
+                let entry = Entry { run: ri, seq: None, tokens: take };
+                let ids = &req.prompt[*prefilled..*prefilled + take];
+                vec![admit(
+                    &model,
+                    probe,
+                    entry,
+                    SeqInput { ids, state: &mut seqs[0].state, logits: LogitsFor::LastToken },
+                )]
+            } else {
+                seqs.iter_mut()
+                    .filter(|s| !s.done)
+                    .filter_map(|s| {
+                        let entry = Entry { run: ri, seq: Some(s.index), tokens: 1 };
+                        let ids = std::slice::from_ref(s.next.as_ref()?);
+                        Some(admit(
+                            &model,
+                            probe,
+                            entry,
+                            SeqInput { ids, state: &mut s.state, logits: LogitsFor::LastToken },
+                        ))
+                    })
+                    .collect()
+            };
+            for a in admitted {
+                match a {
+                    Ok((entry, input)) => {
+                        entries.push(entry);
+                        inputs.push(input);
+                    }
+                    Err((entry, e)) => failures.push((entry.run, entry.seq, e)),
                 }
             }
         }
-
-        // Prefill chunks; a finished prompt yields the first rows of all `n` sequences.
-        let prefill_tokens: usize = prefill.iter().map(|p| p.1).sum();
-        for (ri, take) in prefill {
-            let r = &mut self.running[ri];
-            let chunk = &r.req.prompt[r.prefilled..r.prefilled + take];
-            self.stats.prefill_tokens.fetch_add(take as u64, Ordering::Relaxed);
-            let probe = &self.config.fault_probe;
-            let state = &mut r.seqs[0].state;
-            let out = contain(|| {
-                if let Some(p) = probe {
-                    (p.0)(FaultPoint::Forward, chunk);
+        let decode_tokens = entries.iter().filter(|e| e.seq.is_some()).count();
+        self.stats.decode_tokens.fetch_add(decode_tokens as u64, Ordering::Relaxed);
+        let batch_prefill: usize = entries.iter().filter(|e| e.seq.is_none()).map(|e| e.tokens).sum();
+        self.stats.prefill_tokens.fetch_add(batch_prefill as u64, Ordering::Relaxed);
+        let outputs =
+            if inputs.is_empty() { Ok(Vec::new()) } else { contain(|| model.forward_batch(&mut inputs, None)) };
+        drop(inputs);
+        match outputs {
+            // A failure of the batched call itself (a panic inside a kernel) fails every sequence it
+            // carried: their states may be half-written.
+            Err(e) => {
+                for entry in &entries {
+                    failures.push((entry.run, entry.seq, e.clone()));
                 }
-                model.forward(chunk, state, LogitsFor::LastToken, None)
-            });
-            match out {
-                Ok(logits) => {
-                    r.prefilled += take;
-                    if !r.in_prefill() {
-                        let base = r.seqs[0].state.clone();
-                        let total = r.req.prompt.len() + r.req.max_tokens;
-                        for s in r.seqs.iter_mut().skip(1) {
-                            s.state = base.clone();
-                            s.state.reserve_tokens(total);
-                        }
-                        for s in &r.seqs {
-                            rows.push(Row { run: ri, seq: s.index, logits: logits.clone() });
+            }
+            Ok(outputs) => {
+                for (entry, logits) in entries.iter().zip(outputs) {
+                    match entry.seq {
+                        Some(seq) => rows.push(Row { run: entry.run, seq, logits }),
+                        None => {
+                            // A finished prompt yields the first rows of all `n` sequences.
+                            let r = &mut self.running[entry.run];
+                            r.prefilled += entry.tokens;
+                            if !r.in_prefill() {
+                                let base = r.seqs[0].state.clone();
+                                let total = r.req.prompt.len() + r.req.max_tokens;
+                                for s in r.seqs.iter_mut().skip(1) {
+                                    s.state = base.clone();
+                                    s.state.reserve_tokens(total);
+                                }
+                                for s in &r.seqs {
+                                    rows.push(Row { run: entry.run, seq: s.index, logits: logits.clone() });
+                                }
+                            }
                         }
                     }
                 }
-                Err(e) => failures.push((ri, None, e)),
             }
         }
 
@@ -586,9 +619,30 @@ impl Worker {
     }
 }
 
+/// Checks one sequence's entry on its own (the fault probe, then the model's input checks), so
+/// a bad sequence fails alone before the batch runs.
+#[allow(clippy::result_large_err)]
+fn admit<'a>(
+    model: &Model,
+    probe: &Option<super::FaultProbe>,
+    entry: Entry,
+    input: SeqInput<'a>,
+) -> Result<(Entry, SeqInput<'a>), (Entry, EngineError)> {
+    let checked = contain(|| {
+        if let Some(p) = probe {
+            (p.0)(FaultPoint::Forward, input.ids);
+        }
+        model.check(input.ids, input.state.len)
+    });
+    match checked {
+        Ok(()) => Ok((entry, input)),
+        Err(e) => Err((entry, e)),
+    }
+}
+
 /// Runs one model call; a panic inside it (a kernel bug, a broken invariant) becomes this call's
 /// error, so only the sequences it touched fail.
-fn contain(f: impl FnOnce() -> Result<Vec<f32>, crate::model::ModelError>) -> Result<Vec<f32>, EngineError> {
+fn contain<T>(f: impl FnOnce() -> Result<T, crate::model::ModelError>) -> Result<T, EngineError> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r.map_err(|e| EngineError::Model(e.to_string())),
         Err(payload) => Err(EngineError::Fault(panic_message(payload.as_ref()))),

@@ -29,6 +29,10 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("sequence of {len} tokens exceeds max_position_embeddings {max}")]
     TooLong { len: usize, max: usize },
+    #[error("a forward trace records one sequence, but the batch has {sequences}")]
+    TraceNeedsOneSequence { sequences: usize },
+    #[error("layer {layer}: the sequence state was built for another model")]
+    StateMismatch { layer: usize },
 }
 
 impl ModelError {

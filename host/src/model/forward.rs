@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use super::attn_res::ResMix;
+use super::batch::{BatchLayout, SeqInput};
 use super::checkpoint::Checkpoint;
 use super::config::{MixerKind, ModelConfig, TextConfig, load_config};
 use super::error::ModelError;
@@ -12,7 +13,7 @@ use super::mla::MlaLayer;
 use super::mlp::{Mlp, Situ};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
-use super::state::{LayerState, SequenceState};
+use super::state::{KdaState, LatentCache, LayerState, SequenceState};
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
 
@@ -115,31 +116,75 @@ impl Model {
         SequenceState::new(&self.config.text)
     }
 
-    /// Runs `ids` as the next tokens of the sequence in `state` (a prefill when the state is fresh,
-    /// a decode step for one id) and returns logits, `[tokens or 1, V]`.
+    /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,
+    /// the total inside the context window. The engine calls it per sequence before batching, so
+    /// a bad sequence fails alone.
+    pub fn check(&self, ids: &[u32], held: usize) -> Result<(), ModelError> {
+        let c = &self.config.text;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab: c.vocab_size });
+        }
+        if held + ids.len() > c.max_position_embeddings {
+            return Err(ModelError::TooLong { len: held + ids.len(), max: c.max_position_embeddings });
+        }
+        Ok(())
+    }
+
+    /// Checks that `state` has this model's layer kinds (before any layer writes to a state).
+    fn check_state(&self, state: &SequenceState) -> Result<(), ModelError> {
+        let kinds = &self.config.text.layer_kinds;
+        let bad = (0..kinds.len().max(state.layers.len())).find(|&i| {
+            !matches!(
+                (kinds.get(i), state.layers.get(i)),
+                (Some(MixerKind::Kda), Some(LayerState::Kda(_))) | (Some(MixerKind::Mla), Some(LayerState::Mla(_)))
+            )
+        });
+        match bad {
+            Some(layer) => Err(ModelError::StateMismatch { layer }),
+            None => Ok(()),
+        }
+    }
+
+    /// One sequence as a batch of one: runs `ids` as its next tokens (a prefill when the state is
+    /// fresh, a decode step for one id) and returns logits, `[tokens or 1, V]`.
     pub fn forward(
         &self,
         ids: &[u32],
         state: &mut SequenceState,
         logits_for: LogitsFor,
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ModelError> {
+        let mut batch = [SeqInput { ids, state, logits: logits_for }];
+        Ok(self.forward_batch(&mut batch, trace)?.pop().unwrap_or_default())
+    }
+
+    /// One forward step over many sequences (spec: DESIGN §3): their tokens form one flat batch,
+    /// so every weight is read once per step whatever the number of sequences; the mixer cores
+    /// read each sequence's own state. Returns each sequence's logits (`[tokens or 1, V]`, empty for
+    /// a sequence with no tokens). A trace records the batch's rows and needs exactly one sequence.
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        mut trace: Option<&mut Trace>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config.text;
         let (d, v) = (c.hidden_size, c.vocab_size);
-        let tokens = ids.len();
+        for s in seqs.iter() {
+            self.check(s.ids, s.state.len)?;
+            self.check_state(s.state)?;
+        }
+        if trace.is_some() && seqs.len() != 1 {
+            return Err(ModelError::TraceNeedsOneSequence { sequences: seqs.len() });
+        }
+        let layout = BatchLayout::new(seqs.iter().map(|s| (s.ids.len(), s.state.len)));
+        let tokens = layout.len();
         if tokens == 0 {
-            return Ok(Vec::new());
-        }
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= v) {
-            return Err(ModelError::TokenOutOfRange { id, vocab: v });
-        }
-        if state.len + tokens > c.max_position_embeddings {
-            return Err(ModelError::TooLong { len: state.len + tokens, max: c.max_position_embeddings });
+            return Ok(vec![Vec::new(); seqs.len()]);
         }
         let shape = [tokens, d];
         let emb_m = self.embed.m();
         let mut h0 = vec![0f32; tokens * d];
-        for (t, &id) in ids.iter().enumerate() {
+        for (t, &id) in seqs.iter().flat_map(|s| s.ids).enumerate() {
             emb_m.row_to_f32(id as usize, &mut h0[t * d..(t + 1) * d]);
         }
         if let Some(tr) = trace.as_deref_mut() {
@@ -161,16 +206,31 @@ impl Model {
                 blocks.push(p);
             }
             let x = rms_norm(&a, &layer.input_norm, c.rms_norm_eps);
-            let u = match (&layer.mixer, &mut state.layers[i]) {
-                (Mixer::Kda(k), LayerState::Kda(s)) => k.forward(&x, tokens, s),
-                (Mixer::Mla(m), LayerState::Mla(cache)) => {
-                    let (u, sel) = m.forward(&x, tokens, cache);
+            let u = match &layer.mixer {
+                Mixer::Kda(k) => {
+                    let mut states: Vec<&mut KdaState> = seqs
+                        .iter_mut()
+                        .map(|s| match s.state.layers.get_mut(i) {
+                            Some(LayerState::Kda(st)) => Ok(st),
+                            _ => Err(ModelError::StateMismatch { layer: i }),
+                        })
+                        .collect::<Result<_, _>>()?;
+                    k.forward(&x, &layout.spans, &mut states)
+                }
+                Mixer::Mla(m) => {
+                    let mut caches: Vec<&mut LatentCache> = seqs
+                        .iter_mut()
+                        .map(|s| match s.state.layers.get_mut(i) {
+                            Some(LayerState::Mla(cache)) => Ok(cache),
+                            _ => Err(ModelError::StateMismatch { layer: i }),
+                        })
+                        .collect::<Result<_, _>>()?;
+                    let (u, sel) = m.forward(&x, &layout, &mut caches);
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
-                        record_selection(tr, i, &sel, ix.topk(), state.len);
+                        record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }
                     u
                 }
-                _ => unreachable!("sequence state built from the same config"),
             };
             let p = match partial.take() {
                 None => u.clone(),
@@ -212,7 +272,9 @@ impl Model {
             }
             partial = Some(p);
         }
-        state.len += tokens;
+        for (s, span) in seqs.iter_mut().zip(&layout.spans) {
+            s.state.len += span.len;
+        }
 
         let final_mix = self.output_res.mix(&candidates(&blocks, partial.as_ref()), tokens);
         let hidden = rms_norm(&final_mix, &self.norm, c.rms_norm_eps);
@@ -220,14 +282,32 @@ impl Model {
             tr.f32("final_mix", &shape, &final_mix);
             tr.f32("final_hidden", &shape, &hidden);
         }
-        let logits = match logits_for {
-            LogitsFor::AllTokens => self.lm_head.matmul(&hidden, tokens),
-            LogitsFor::LastToken => self.lm_head.matmul(&hidden[(tokens - 1) * d..], 1),
-        };
-        if let (Some(tr), LogitsFor::AllTokens) = (trace, logits_for) {
+        // The LM head reads its weight once for the whole step, over the rows that want logits.
+        let wanted: Vec<std::ops::Range<usize>> = seqs
+            .iter()
+            .zip(&layout.spans)
+            .map(|(s, span)| match (s.logits, span.len) {
+                (_, 0) => span.start..span.start,
+                (LogitsFor::AllTokens, _) => span.rows(),
+                (LogitsFor::LastToken, _) => span.start + span.len - 1..span.start + span.len,
+            })
+            .collect();
+        let rows: usize = wanted.iter().map(|r| r.len()).sum();
+        let mut picked = Vec::with_capacity(rows * d);
+        for r in &wanted {
+            picked.extend_from_slice(&hidden[r.start * d..r.end * d]);
+        }
+        let logits = self.lm_head.matmul(&picked, rows);
+        if let (Some(tr), [SeqInput { logits: LogitsFor::AllTokens, .. }]) = (trace, &*seqs) {
             tr.f32("logits", &[tokens, v], &logits);
         }
-        Ok(logits)
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for r in &wanted {
+            out.push(logits[at * v..(at + r.len()) * v].to_vec());
+            at += r.len();
+        }
+        Ok(out)
     }
 }
 

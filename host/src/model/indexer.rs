@@ -53,29 +53,30 @@ impl Indexer {
         layer_norm(&self.wk.matmul(x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
     }
 
-    /// Selections for `tokens` queries at absolute positions `start..start+tokens`; `keys(s)` must
-    /// cover every position up to the last query. `c_q` is MLA's `q_a_layernorm` output.
+    /// Selections for every row of a step: row t is the query of sequence `rows[t].0` at absolute
+    /// position `rows[t].1`; `key(seq, s)` must cover every position of that sequence up to its
+    /// last query. `c_q` is MLA's `q_a_layernorm` output.
     pub fn select<'k>(
         &self,
         x: &[f32],
         c_q: &[f32],
-        tokens: usize,
-        start: usize,
-        key: impl Fn(usize) -> &'k [f32] + Sync,
+        rows: &[(usize, usize)],
+        key: impl Fn(usize, usize) -> &'k [f32] + Sync,
     ) -> Vec<Selection> {
         use rayon::prelude::*;
         let (h, d) = (self.n_heads, self.head_dim);
+        let tokens = rows.len();
         let q = self.wq_b.matmul(c_q, tokens);
         let w = self.weights_proj.matmul(x, tokens);
         let wscale = 1.0 / ((h as f32).sqrt() * (d as f32).sqrt());
         (0..tokens)
             .into_par_iter()
             .map(|t| {
-                let pos = start + t;
+                let (seq, pos) = rows[t];
                 let qt = &q[t * h * d..(t + 1) * h * d];
                 let scores: Vec<f32> = (0..=pos)
                     .map(|s| {
-                        let ks = key(s);
+                        let ks = key(seq, s);
                         (0..h)
                             .map(|j| {
                                 let dotp = kimi_kernels::cpu::simd::dot(&qt[j * d..(j + 1) * d], ks);

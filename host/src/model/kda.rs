@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use kimi_kernels::cpu::kda::{kda_prefill, kda_step};
 
+use super::batch::Span;
 use super::config::TextConfig;
 use super::error::ModelError;
 use super::norm::{inv_rms, l2_norm, sigmoid, silu};
@@ -87,14 +88,21 @@ impl KdaLayer {
         })
     }
 
-    /// x: `[tokens, d]` (post `input_layernorm`). Advances `state` by `tokens`.
-    pub fn forward(&self, x: &[f32], tokens: usize, state: &mut KdaState) -> Vec<f32> {
+    /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
+    /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
+    /// convolution and the delta-rule core run per sequence (per head), reading that sequence's
+    /// state.
+    pub fn forward(&self, x: &[f32], spans: &[Span], states: &mut [&mut KdaState]) -> Vec<f32> {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
+        let tokens: usize = spans.iter().map(|s| s.len).sum();
         let mut branches =
             [self.q_proj.matmul(x, tokens), self.k_proj.matmul(x, tokens), self.v_proj.matmul(x, tokens)];
         for (b, raw) in branches.iter_mut().enumerate() {
-            *raw = self.short_conv(raw, tokens, &self.conv[b], state.conv_frames_mut(b));
+            for (span, state) in spans.iter().zip(states.iter_mut()) {
+                let rows = &mut raw[span.start * p..(span.start + span.len) * p];
+                self.short_conv(rows, &self.conv[b], state.conv_frames_mut(b));
+            }
         }
         let [q, kk, v] = branches;
         let z = self.f_b.matmul(&self.f_a.matmul(x, tokens), tokens);
@@ -104,21 +112,28 @@ impl KdaLayer {
             OutputGate::LowRank(a, b) => b.matmul(&a.matmul(x, tokens), tokens),
         };
 
+        // One job per (sequence, head): each owns that head's recurrent matrix.
+        let jobs: Vec<(Span, usize, &mut [f32])> = spans
+            .iter()
+            .zip(states.iter_mut())
+            .filter(|(span, _)| span.len > 0)
+            .flat_map(|(span, state)| state.recurrent.chunks_mut(k * k).enumerate().map(move |(hh, s)| (*span, hh, s)))
+            .collect();
         let scale = 1.0 / (k as f32).sqrt();
         let lb = self.lower_bound;
-        let outs: Vec<Vec<f32>> = state
-            .recurrent
-            .par_chunks_mut(k * k)
-            .enumerate()
-            .map(|(hh, s)| {
-                let mut qh = vec![0f32; tokens * k];
-                let mut kh = vec![0f32; tokens * k];
-                let mut vh = vec![0f32; tokens * k];
-                let mut gh = vec![0f32; tokens * k];
-                let mut bh = vec![0f32; tokens];
-                for t in 0..tokens {
+        let outs: Vec<(Span, usize, Vec<f32>)> = jobs
+            .into_par_iter()
+            .map(|(span, hh, s)| {
+                let n = span.len;
+                let mut qh = vec![0f32; n * k];
+                let mut kh = vec![0f32; n * k];
+                let mut vh = vec![0f32; n * k];
+                let mut gh = vec![0f32; n * k];
+                let mut bh = vec![0f32; n];
+                for i in 0..n {
+                    let t = span.start + i;
                     let src = t * p + hh * k..t * p + (hh + 1) * k;
-                    let dst = t * k..(t + 1) * k;
+                    let dst = i * k..(i + 1) * k;
                     qh[dst.clone()].copy_from_slice(&q[src.clone()]);
                     l2_norm(&mut qh[dst.clone()], 1e-6);
                     qh[dst.clone()].iter_mut().for_each(|v| *v *= scale);
@@ -127,27 +142,27 @@ impl KdaLayer {
                     vh[dst.clone()].copy_from_slice(&v[src.clone()]);
                     for j in 0..k {
                         let c = hh * k + j;
-                        gh[t * k + j] = lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
+                        gh[i * k + j] = lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
                     }
-                    bh[t] = sigmoid(beta_logits[t * h + hh]);
+                    bh[i] = sigmoid(beta_logits[t * h + hh]);
                 }
-                let mut o = vec![0f32; tokens * k];
-                if tokens == 1 {
+                let mut o = vec![0f32; n * k];
+                if n == 1 {
                     kda_step(s, &qh, &kh, &vh, &gh, bh[0], &mut o);
                 } else {
                     kda_prefill(s, &qh, &kh, &vh, &gh, &bh, &mut o, k, k);
                 }
-                o
+                (span, hh, o)
             })
             .collect();
 
         // Sigmoid-gated RMSNorm per head, then o_proj.
         let mut y = vec![0f32; tokens * p];
-        for (hh, o) in outs.iter().enumerate() {
-            for t in 0..tokens {
-                let oh = &o[t * k..(t + 1) * k];
+        for (span, hh, o) in &outs {
+            for i in 0..span.len {
+                let oh = &o[i * k..(i + 1) * k];
                 let inv = inv_rms(oh, self.eps);
-                let base = t * p + hh * k;
+                let base = (span.start + i) * p + hh * k;
                 let (ys, rs) = (&mut y[base..base + k], &r[base..base + k]);
                 for (((yv, ov), wv), rv) in ys.iter_mut().zip(oh).zip(&self.o_norm).zip(rs) {
                     *yv = wv * (ov * inv) * sigmoid(*rv);
@@ -157,25 +172,24 @@ impl KdaLayer {
         self.o_proj.matmul(&y, tokens)
     }
 
-    /// Causal depthwise conv + SiLU over `[tokens, P]`, continuing from (and updating) `frames`.
-    fn short_conv(&self, raw: &[f32], tokens: usize, taps: &[f32], frames: &mut [f32]) -> Vec<f32> {
+    /// Causal depthwise conv + SiLU over one sequence's `[tokens, P]` rows, in place, continuing
+    /// from (and updating) its `frames`.
+    fn short_conv(&self, rows: &mut [f32], taps: &[f32], frames: &mut [f32]) {
         let w = self.kernel;
         let p = self.heads * self.head_dim;
-        let hist = w - 1;
-        let mut ext = Vec::with_capacity((hist + tokens) * p);
+        let tokens = rows.len() / p;
+        let mut ext = Vec::with_capacity(frames.len() + rows.len());
         ext.extend_from_slice(frames);
-        ext.extend_from_slice(raw);
-        let mut out = vec![0f32; tokens * p];
+        ext.extend_from_slice(rows);
         for t in 0..tokens {
             for c in 0..p {
                 let mut acc = 0f32;
                 for i in 0..w {
                     acc += taps[c * w + i] * ext[(t + i) * p + c];
                 }
-                out[t * p + c] = silu(acc);
+                rows[t * p + c] = silu(acc);
             }
         }
         frames.copy_from_slice(&ext[tokens * p..]);
-        out
     }
 }

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use kimi_kernels::cpu::simd::{axpy, dot};
 
+use super::batch::BatchLayout;
 use super::config::TextConfig;
 use super::error::ModelError;
 use super::indexer::{Indexer, Selection};
@@ -61,31 +62,43 @@ impl MlaLayer {
         })
     }
 
-    /// x: `[tokens, d]` (post `input_layernorm`). Appends `tokens` rows to `cache` and returns the
-    /// layer output and, for K3.1, the indexer's selections.
-    pub fn forward(&self, x: &[f32], tokens: usize, cache: &mut LatentCache) -> (Vec<f32>, Option<Vec<Selection>>) {
+    /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `caches[s]` belongs to
+    /// `layout.spans[s]` and gains its rows. Projections run once over all T rows; each token
+    /// attends over its own sequence's cache. Returns the layer output and, for K3.1, the
+    /// indexer's selection per row.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        layout: &BatchLayout,
+        caches: &mut [&mut LatentCache],
+    ) -> (Vec<f32>, Option<Vec<Selection>>) {
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let width = r + dr;
-        let start = cache.len();
+        let tokens = layout.len();
 
         let c_q = rms_norm(&self.q_a.matmul(x, tokens), &self.q_a_norm, LORA_NORM_EPS);
         let q = self.q_b.matmul(&c_q, tokens);
         let kv = self.kv_a.matmul(x, tokens);
-        for t in 0..tokens {
-            let row = &kv[t * width..(t + 1) * width];
-            cache.rows.extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
-            cache.rows.extend_from_slice(&row[r..]);
+        let keys = self.indexer.as_ref().map(|ix| ix.keys(x, tokens));
+        for (span, cache) in layout.spans.iter().zip(caches.iter_mut()) {
+            for t in span.rows() {
+                let row = &kv[t * width..(t + 1) * width];
+                cache.rows.extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
+                cache.rows.extend_from_slice(&row[r..]);
+            }
+            if let Some(keys) = &keys {
+                cache
+                    .index_keys
+                    .extend_from_slice(&keys[span.start * cache.index_dim..(span.start + span.len) * cache.index_dim]);
+            }
         }
+        let caches: Vec<&LatentCache> = caches.iter().map(|c| &**c).collect();
 
-        let selections = self.indexer.as_ref().map(|ix| {
-            cache.index_keys.extend(ix.keys(x, tokens));
-            let cache_ref = &*cache;
-            ix.select(x, &c_q, tokens, start, |s| cache_ref.index_key(s))
-        });
+        let selections =
+            self.indexer.as_ref().map(|ix| ix.select(x, &c_q, &layout.tokens, |seq, s| caches[seq].index_key(s)));
 
         let scale = 1.0 / ((dn + dr) as f32).sqrt();
         let wkv = self.kv_b.m();
-        let cache_ref = &*cache;
         let heads: Vec<Vec<f32>> = (0..h)
             .into_par_iter()
             .map(|hh| {
@@ -94,21 +107,22 @@ impl MlaLayer {
                 let mut ctx = vec![0f32; tokens * r];
                 let mut qabs = vec![0f32; width];
                 let mut scores = Vec::new();
-                for t in 0..tokens {
+                let mut all = Vec::new();
+                for (t, &(seq, pos)) in layout.tokens.iter().enumerate() {
+                    let cache = caches[seq];
                     let qt = &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
                     w_uk.matvec_transposed(&qt[..dn], &mut qabs[..r]);
                     qabs[r..].copy_from_slice(&qt[dn..]);
-                    let pos = start + t;
-                    let all: Vec<usize>;
                     let cand: &[usize] = match &selections {
                         Some(sel) => &sel[t].tokens,
                         None => {
-                            all = (0..=pos).collect();
+                            all.clear();
+                            all.extend(0..=pos);
                             &all
                         }
                     };
                     scores.clear();
-                    scores.extend(cand.iter().map(|&s| dot(&qabs, cache_ref.row(s)) * scale));
+                    scores.extend(cand.iter().map(|&s| dot(&qabs, cache.row(s)) * scale));
                     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut z = 0f32;
                     scores.iter_mut().for_each(|s| {
@@ -117,7 +131,7 @@ impl MlaLayer {
                     });
                     let ct = &mut ctx[t * r..(t + 1) * r];
                     for (&s, p) in cand.iter().zip(&scores) {
-                        axpy(p / z, &cache_ref.row(s)[..r], ct);
+                        axpy(p / z, &cache.row(s)[..r], ct);
                     }
                 }
                 let mut o = vec![0f32; tokens * dv];

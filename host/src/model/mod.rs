@@ -1,6 +1,7 @@
 //! The Kimi-K3 / K3.1 text model on the CPU: config, checkpoint, weights and the forward pass.
 
 pub mod attn_res;
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod tiny;
 pub mod trace;
 pub mod weights;
 
+pub use batch::{BatchLayout, SeqInput, Span};
 pub use config::{ModelConfig, TextConfig};
 pub use error::ModelError;
 pub use forward::{LogitsFor, Model};

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod batch;
 mod chat_parser;
 mod cli;
 mod constrained;

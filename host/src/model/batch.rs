@@ -1,0 +1,79 @@
+//! The flat batch of one forward step (vLLM's flattened batch, llama.cpp's `llama_batch`): the
+//! tokens of every sequence concatenated, decode tokens and prefill chunks alike. Token-wise ops
+//! (projections, norms, MLP, MoE, AttnRes, LM head) run once over all of them; the mixer cores
+//! read each token's sequence and position from here to find that sequence's state.
+
+use super::forward::LogitsFor;
+use super::state::SequenceState;
+
+/// One sequence's part of a forward step: its next tokens and its state.
+pub struct SeqInput<'a> {
+    pub ids: &'a [u32],
+    pub state: &'a mut SequenceState,
+    pub logits: LogitsFor,
+}
+
+/// Where one sequence's tokens lie in the flat batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// First row of this sequence in the batch.
+    pub start: usize,
+    /// Rows (new tokens) of this sequence.
+    pub len: usize,
+    /// Tokens the sequence held before this step: the absolute position of its first new token.
+    pub pos: usize,
+}
+
+impl Span {
+    pub fn rows(&self) -> std::ops::Range<usize> {
+        self.start..self.start + self.len
+    }
+}
+
+/// The shape of a step: per sequence its span, per token its sequence and position.
+#[derive(Clone, Debug, Default)]
+pub struct BatchLayout {
+    pub spans: Vec<Span>,
+    /// `(sequence, absolute position)` of every row.
+    pub tokens: Vec<(usize, usize)>,
+}
+
+impl BatchLayout {
+    /// Lays out `(new tokens, tokens already held)` per sequence, in order.
+    pub fn new(seqs: impl IntoIterator<Item = (usize, usize)>) -> BatchLayout {
+        let mut layout = BatchLayout::default();
+        for (s, (len, pos)) in seqs.into_iter().enumerate() {
+            layout.spans.push(Span { start: layout.tokens.len(), len, pos });
+            layout.tokens.extend((0..len).map(|i| (s, pos + i)));
+        }
+        layout
+    }
+
+    /// Rows in the batch.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_follow_the_sequences_in_order() {
+        let l = BatchLayout::new([(2, 5), (0, 9), (1, 0)]);
+        assert_eq!(
+            l.spans,
+            vec![
+                Span { start: 0, len: 2, pos: 5 },
+                Span { start: 2, len: 0, pos: 9 },
+                Span { start: 2, len: 1, pos: 0 }
+            ]
+        );
+        assert_eq!(l.tokens, vec![(0, 5), (0, 6), (2, 0)]);
+    }
+}
