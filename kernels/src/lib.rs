@@ -70,7 +70,12 @@ impl<'a> Matrix<'a> {
         }
     }
 
-    /// `out[c] = Σ_r x[r] · self[r, c]` (y = Wᵀ x), single vector; used by absorbed MLA.
+    /// `out[t, c] = Σ_r x[t, r] · self[r, c]` (y = Wᵀ x per token); used by absorbed MLA.
+    pub fn matmul_transposed(&self, x: &[f32], tokens: usize, out: &mut [f32]) {
+        cpu::gemm::matmul_transposed(self, x, tokens, out)
+    }
+
+    /// `out[c] = Σ_r x[r] · self[r, c]` (y = Wᵀ x), single vector.
     pub fn matvec_transposed(&self, x: &[f32], out: &mut [f32]) {
         cpu::gemm::matvec_transposed(self, x, out)
     }

@@ -105,6 +105,41 @@ fn transposed_matvec_matches_reference() {
     assert_close(&out, &want, 1e-5, "wt x");
 }
 
+/// The dispatched MXFP4 row decode gives the table path's bits for every byte and every scale
+/// (including the subnormal 0 and the NaN 255).
+#[test]
+fn mxfp4_row_decode_is_bit_exact_on_every_path() {
+    let cols = 256 * 32;
+    let packed: Vec<u8> = (0..cols / 2).map(|i| (i % 256) as u8).collect();
+    let scales: Vec<u8> = (0..cols / 32).map(|g| g as u8).collect();
+    let m = Mxfp4Matrix::new(&packed, &scales, 1, cols);
+    let mut got = vec![0f32; cols];
+    m.row_to_f32(0, &mut got);
+    let mut want = vec![0f32; cols];
+    kimi_kernels::cpu::mxfp4::row_scalar(&packed, &scales, &mut want);
+    for (c, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "column {c}: {a} vs {b}");
+    }
+}
+
+/// Wᵀ x over several tokens equals the single-token product of each token, bit for bit (the
+/// batched MLA absorption must not depend on the batch).
+#[test]
+fn transposed_matmul_is_batch_invariant() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let (rows, cols, tokens) = (33, 70, 5);
+    let bits: Vec<u16> = randn(&mut rng, rows * cols).iter().map(|&v| f32_to_bf16_bits(v)).collect();
+    let m = Matrix::Bf16(Bf16Matrix::new(&bits, rows, cols));
+    let x = randn(&mut rng, tokens * rows);
+    let mut batched = vec![0f32; tokens * cols];
+    m.matmul_transposed(&x, tokens, &mut batched);
+    for t in 0..tokens {
+        let mut one = vec![0f32; cols];
+        m.matvec_transposed(&x[t * rows..(t + 1) * rows], &mut one);
+        assert_eq!(one, batched[t * cols..(t + 1) * cols], "token {t}");
+    }
+}
+
 fn l2norm(v: &mut [f32]) {
     let n = (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
     v.iter_mut().for_each(|x| *x /= n);

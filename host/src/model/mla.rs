@@ -105,14 +105,20 @@ impl MlaLayer {
                 let w_uk = wkv.row_range(hh * (dn + dv), dn);
                 let w_uv = wkv.row_range(hh * (dn + dv) + dn, dv);
                 let mut ctx = vec![0f32; tokens * r];
+                // This head's queries absorbed into the latent space for every row at once
+                // (W_UKᵀ q_nope), so W_UK is read once per step.
+                let head_q =
+                    |t: usize| &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
+                let q_nope: Vec<f32> = (0..tokens).flat_map(|t| head_q(t)[..dn].iter().copied()).collect();
+                let mut q_lat = vec![0f32; tokens * r];
+                w_uk.matmul_transposed(&q_nope, tokens, &mut q_lat);
                 let mut qabs = vec![0f32; width];
                 let mut scores = Vec::new();
                 let mut all = Vec::new();
                 for (t, &(seq, pos)) in layout.tokens.iter().enumerate() {
                     let cache = caches[seq];
-                    let qt = &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
-                    w_uk.matvec_transposed(&qt[..dn], &mut qabs[..r]);
-                    qabs[r..].copy_from_slice(&qt[dn..]);
+                    qabs[..r].copy_from_slice(&q_lat[t * r..(t + 1) * r]);
+                    qabs[r..].copy_from_slice(&head_q(t)[dn..]);
                     let cand: &[usize] = match &selections {
                         Some(sel) => &sel[t].tokens,
                         None => {

@@ -123,18 +123,28 @@ fn dot_tile(w: &[f32], cols: usize, xs: &[&[f32]; 4]) -> [[f32; 4]; 4] {
 
 /// `out[c] = Σ_r x[r] · W[r, c]` (Wᵀ x).
 pub fn matvec_transposed(w: &Matrix, x: &[f32], out: &mut [f32]) {
-    assert_eq!(x.len(), w.rows(), "matvec_transposed: x length");
-    assert_eq!(out.len(), w.cols(), "matvec_transposed: out length");
+    matmul_transposed(w, x, 1, out)
+}
+
+/// `out[t, c] = Σ_r x[t, r] · W[r, c]` (Wᵀ x per token). Each stored row is widened once per
+/// call and added into every token's output in row order, so a token's result does not depend
+/// on how many tokens share the call.
+pub fn matmul_transposed(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(x.len(), tokens * rows, "matmul_transposed: x has {} values, want {tokens}×{rows}", x.len());
+    assert_eq!(out.len(), tokens * cols, "matmul_transposed: out has {} values, want {tokens}×{cols}", out.len());
     out.fill(0.0);
     SCRATCH.with(|s| {
         let mut scratch = s.borrow_mut();
-        if scratch.len() < w.cols() {
-            scratch.resize(w.cols(), 0.0);
+        if scratch.len() < cols {
+            scratch.resize(cols, 0.0);
         }
-        let row = &mut scratch[..w.cols()];
-        for (r, &xr) in x.iter().enumerate() {
+        let row = &mut scratch[..cols];
+        for r in 0..rows {
             w.row_to_f32(r, row);
-            simd::axpy(xr, row, out);
+            for (t, o) in out.chunks_exact_mut(cols).enumerate() {
+                simd::axpy(x[t * rows + r], row, o);
+            }
         }
     });
 }
