@@ -140,6 +140,50 @@ fn transposed_matmul_is_batch_invariant() {
     }
 }
 
+/// The KDA chunk's decayed dot products (a vector e^x on AVX-512) against f64, for decay
+/// differences from 0 down to −120 (where e^x underflows) and lengths that leave a masked tail.
+#[test]
+fn decayed_dots_match_f64() {
+    let mut rng = StdRng::seed_from_u64(7);
+    for n in [1, 15, 16, 33, 128] {
+        for spread in [0.1f32, 5.0, 40.0, 120.0] {
+            let q = randn(&mut rng, n);
+            let k = randn(&mut rng, n);
+            let kj = randn(&mut rng, n);
+            let gj: Vec<f32> = (0..n).map(|_| rng.random_range(-10.0f32..0.0)).collect();
+            let gi: Vec<f32> = gj.iter().map(|g| g - spread * rng.random_range(0.0f32..1.0)).collect();
+            let (sq, sk) = kimi_kernels::cpu::simd::decayed_dots(&q, &k, &kj, &gi, &gj);
+            let w: Vec<f64> = (0..n).map(|c| kj[c] as f64 * ((gi[c] - gj[c]) as f64).exp()).collect();
+            let wq: f64 = (0..n).map(|c| q[c] as f64 * w[c]).sum();
+            let wk: f64 = (0..n).map(|c| k[c] as f64 * w[c]).sum();
+            let scale: f64 = w.iter().map(|x| x.abs()).sum::<f64>().max(1e-30);
+            assert!(((sq as f64) - wq).abs() <= 1e-6 * scale, "n {n} spread {spread}: q·w {sq} vs {wq}");
+            assert!(((sk as f64) - wk).abs() <= 1e-6 * scale, "n {n} spread {spread}: k·w {sk} vs {wk}");
+        }
+    }
+}
+
+/// SiTU over rows (a vector tanh and σ on AVX-512) against f64, with and without the up cap,
+/// from tiny to saturating inputs and a masked tail.
+#[test]
+fn situ_rows_match_f64() {
+    let mut rng = StdRng::seed_from_u64(8);
+    for linear_beta in [None, Some(3.0f32)] {
+        let n = 1000 + 7;
+        let gate: Vec<f32> = (0..n).map(|i| rng.random_range(-1.0f32..1.0) * [1e-4, 1.0, 30.0, 200.0][i % 4]).collect();
+        let up: Vec<f32> = (0..n).map(|i| rng.random_range(-1.0f32..1.0) * [1e-3, 2.0, 50.0][i % 3]).collect();
+        let mut got = gate.clone();
+        kimi_kernels::cpu::situ::situ_rows(&mut got, &up, 10.0, linear_beta);
+        for i in 0..n {
+            let (a, u) = (gate[i] as f64, up[i] as f64);
+            let g = 10.0 * (a / 10.0).tanh() / (1.0 + (-a).exp());
+            let want = g * linear_beta.map_or(u, |bl| bl as f64 * (u / bl as f64).tanh());
+            let tol = 1e-6 * want.abs() + 1e-7 * (g.abs() + u.abs());
+            assert!(((got[i] as f64) - want).abs() <= tol, "a {a} u {u}: {} vs {want}", got[i]);
+        }
+    }
+}
+
 fn l2norm(v: &mut [f32]) {
     let n = (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
     v.iter_mut().for_each(|x| *x /= n);

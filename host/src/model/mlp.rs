@@ -2,7 +2,6 @@
 
 use super::config::TextConfig;
 use super::error::ModelError;
-use super::norm::sigmoid;
 use super::weights::{TensorSource, Weight};
 
 /// SiTU activation parameters: gate soft-cap β, optional up-branch soft-cap.
@@ -19,19 +18,12 @@ impl Situ {
 
     /// [β·tanh(a/β)·σ(a)] · [β_lin·tanh(u/β_lin)]; σ sees the uncapped gate.
     pub fn apply(&self, a: f32, u: f32) -> f32 {
-        let g = self.beta * (a / self.beta).tanh() * sigmoid(a);
-        let up = match self.linear_beta {
-            Some(bl) => bl * (u / bl).tanh(),
-            None => u,
-        };
-        g * up
+        kimi_kernels::cpu::situ::situ(a, u, self.beta, self.linear_beta)
     }
 
     /// In place over `gate` with `up`.
     pub fn apply_rows(&self, gate: &mut [f32], up: &[f32]) {
-        for (a, u) in gate.iter_mut().zip(up) {
-            *a = self.apply(*a, *u);
-        }
+        kimi_kernels::cpu::situ::situ_rows(gate, up, self.beta, self.linear_beta)
     }
 }
 

@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{axpy, dot};
+use super::simd::{axpy, decayed_dots, dot};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -78,12 +78,7 @@ pub fn kda_chunk(
         let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
         for j in 0..=i {
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
-            let (mut sq, mut sk) = (0f32, 0f32);
-            for c in 0..dk {
-                let kw = kj[c] * (gi[c] - gj[c]).exp();
-                sq += qi[c] * kw;
-                sk += ki[c] * kw;
-            }
+            let (sq, sk) = decayed_dots(qi, ki, kj, gi, gj);
             s.aqk[i * n + j] = sq;
             if j < i {
                 s.akk[i * n + j] = beta[i] * sk;

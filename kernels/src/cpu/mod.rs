@@ -7,3 +7,4 @@ pub mod kda;
 pub mod mxfp4;
 pub mod reduce;
 pub mod simd;
+pub mod situ;

@@ -85,6 +85,27 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// The two decayed dot products of the KDA chunk form: with w = k_j ⊙ e^{Γ_i − Γ_j},
+/// returns (q_i · w, k_i · w). All slices have the same length.
+pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) -> (f32, f32) {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; the x86 kernel reads `qi.len()` values of each.
+        SimdLevel::Avx512 if [ki.len(), kj.len(), gi.len(), gj.len()].iter().all(|&n| n == qi.len()) => unsafe {
+            x86::decayed_dots_avx512(qi, ki, kj, gi, gj)
+        },
+        _ => {
+            let (mut sq, mut sk) = (0f32, 0f32);
+            for c in 0..qi.len() {
+                let kw = kj[c] * (gi[c] - gj[c]).exp();
+                sq += qi[c] * kw;
+                sk += ki[c] * kw;
+            }
+            (sq, sk)
+        }
+    }
+}
+
 /// Scalar dot with 8 independent partial sums (same association shape as the SIMD paths, and
 /// fast enough to be a fair fallback).
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
@@ -105,6 +126,52 @@ pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
+
+    /// e^x per lane: x = n ln2 + r (ln2 in two parts), a degree-6 polynomial for e^r on
+    /// |r| ≤ ln2/2 (Cephes' expf coefficients, about 1 ulp), scaled by 2^n with `vscalefps`
+    /// (which underflows to 0 and overflows to ∞ like the libm call it replaces).
+    #[target_feature(enable = "avx512f")]
+    pub fn exp_avx512(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72)), _mm512_set1_ps(-104.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let r2 = _mm512_mul_ps(r, r);
+        let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+        _mm512_scalef_ps(e, n)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn decayed_dots_avx512(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) -> (f32, f32) {
+        let n = qi.len();
+        let (mut sq, mut sk) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut c = 0;
+        while c < n {
+            let m: __mmask16 = if n - c >= 16 { 0xffff } else { ((1u32 << (n - c)) - 1) as __mmask16 };
+            // SAFETY: the masked loads read lanes c..min(c+16, n) of slices holding n values.
+            let (q, k, kk, a, b) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(m, qi.as_ptr().add(c)),
+                    _mm512_maskz_loadu_ps(m, ki.as_ptr().add(c)),
+                    _mm512_maskz_loadu_ps(m, kj.as_ptr().add(c)),
+                    _mm512_maskz_loadu_ps(m, gi.as_ptr().add(c)),
+                    _mm512_maskz_loadu_ps(m, gj.as_ptr().add(c)),
+                )
+            };
+            let kw = _mm512_mul_ps(kk, exp_avx512(_mm512_sub_ps(a, b)));
+            sq = _mm512_fmadd_ps(q, kw, sq);
+            sk = _mm512_fmadd_ps(k, kw, sk);
+            c += 16;
+        }
+        (_mm512_reduce_add_ps(sq), _mm512_reduce_add_ps(sk))
+    }
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
