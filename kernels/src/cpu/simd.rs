@@ -140,7 +140,7 @@ pub(crate) mod x86 {
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
         let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
             p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
         }
         let r2 = _mm512_mul_ps(r, r);
