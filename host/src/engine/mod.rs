@@ -280,7 +280,7 @@ impl Engine {
             return Err(EngineError::Invalid("a request needs a prompt and n ≥ 1".into()));
         }
         let tokens = req.prompt.len().saturating_add(req.max_tokens);
-        if !self.empty_pool.could_fit(self.empty_pool.reservation(req.n, tokens)) {
+        if !self.empty_pool.could_fit(self.empty_pool.reservation(req.n, req.prompt.len(), req.max_tokens)) {
             return Err(EngineError::TooLarge { tokens, n: req.n });
         }
         if self.stats.waiting.load(Ordering::Relaxed) >= self.config.max_waiting {

@@ -6,8 +6,7 @@
 use crate::model::TextConfig;
 use crate::model::config::MixerKind;
 
-/// Tokens per latent-cache page.
-pub const PAGE_TOKENS: usize = 16;
+pub use crate::model::state::PAGE_TOKENS;
 
 /// Bytes of state a sequence needs, from the model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,9 +78,13 @@ impl StatePool {
         Ok(StatePool { shape, budget_bytes, total_slots, total_pages, used_slots: 0, used_pages: 0 })
     }
 
-    /// The reservation for `n` sequences of up to `tokens` tokens each.
-    pub fn reservation(&self, n: usize, tokens: usize) -> Reservation {
-        Reservation { slots: n, pages: n.saturating_mul(StateShape::pages_for(tokens)) }
+    /// The reservation for `n` sequences sharing a `prompt`-token prefill and generating up to
+    /// `max_tokens` each: the prompt's full pages once (the forks share them), and per sequence
+    /// the pages from the prompt's partly filled last page (which each fork copies) to its end.
+    pub fn reservation(&self, n: usize, prompt: usize, max_tokens: usize) -> Reservation {
+        let shared = prompt / PAGE_TOKENS;
+        let own = StateShape::pages_for(prompt.saturating_add(max_tokens)).saturating_sub(shared);
+        Reservation { slots: n, pages: shared.saturating_add(n.saturating_mul(own)) }
     }
 
     fn bytes(&self, r: Reservation) -> usize {
@@ -127,8 +130,10 @@ mod tests {
         let shape = StateShape { slot_bytes: 1000, page_bytes: 100 };
         let mut p = StatePool::new(shape, 10_000, 4, 16).expect("fits");
         assert_eq!(p.total_slots, 4);
-        let r = p.reservation(1, 33);
+        let r = p.reservation(1, 30, 3);
         assert_eq!(r, Reservation { slots: 1, pages: 3 });
+        // Four forks of a 40-token prompt: its two full pages once, then each its own 3rd and 4th.
+        assert_eq!(p.reservation(4, 40, 20), Reservation { slots: 4, pages: 2 + 4 * 2 });
         for _ in 0..4 {
             assert!(p.try_reserve(r));
         }
@@ -138,10 +143,10 @@ mod tests {
         assert_eq!(p.used_bytes(), 4 * 1300);
         // Bytes run out before slots: 3 × (1000 + 10 pages × 100) > 10,000 − 0.
         let mut q = StatePool::new(shape, 5_000, 8, 16).expect("fits");
-        let big = q.reservation(1, 10 * PAGE_TOKENS);
+        let big = q.reservation(1, 10 * PAGE_TOKENS, 0);
         assert!(q.try_reserve(big) && q.try_reserve(big));
         assert!(!q.try_reserve(big), "budget exhausted");
-        assert!(!q.could_fit(q.reservation(1, 41 * PAGE_TOKENS)));
+        assert!(!q.could_fit(q.reservation(1, 40 * PAGE_TOKENS, 1)));
         assert!(StatePool::new(shape, 500, 4, 16).is_err());
     }
 }

@@ -244,7 +244,7 @@ impl Worker {
         while let Some(p) = self.waiting.front() {
             let n = p.req.n;
             let live: usize = self.running.iter().map(|r| r.seqs.len().max(r.req.n)).sum();
-            let res = self.pool.reservation(n, p.req.prompt.len() + p.req.max_tokens);
+            let res = self.pool.reservation(n, p.req.prompt.len(), p.req.max_tokens);
             if live + n > self.config.max_seqs || !self.pool.try_reserve(res) {
                 break;
             }

@@ -83,13 +83,9 @@ impl MlaLayer {
         for (span, cache) in layout.spans.iter().zip(caches.iter_mut()) {
             for t in span.rows() {
                 let row = &kv[t * width..(t + 1) * width];
-                cache.rows.extend(rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS));
-                cache.rows.extend_from_slice(&row[r..]);
-            }
-            if let Some(keys) = &keys {
-                cache
-                    .index_keys
-                    .extend_from_slice(&keys[span.start * cache.index_dim..(span.start + span.len) * cache.index_dim]);
+                let c = rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS);
+                let key = keys.as_ref().map_or(&[][..], |k| &k[t * cache.index_dim..(t + 1) * cache.index_dim]);
+                cache.push(&c, &row[r..], key);
             }
         }
         let caches: Vec<&LatentCache> = caches.iter().map(|c| &**c).collect();

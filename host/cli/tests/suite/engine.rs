@@ -155,6 +155,37 @@ fn cancelled_and_dropped_requests_free_their_state() {
     engine.shutdown(Duration::from_secs(1));
 }
 
+/// `n = 4` forks share the prompt's latent pages: the pool holds the prompt's full pages once,
+/// not four times, while the request runs; cancelling gives every page back.
+#[test]
+fn forks_share_the_prompt_pages() {
+    use std::sync::atomic::Ordering::Relaxed;
+    const P: usize = kimi_host::engine::pool::PAGE_TOKENS;
+    let f = fixture();
+    let cfg = EngineConfig { state_memory: 256 << 20, ..Default::default() };
+    let engine = Engine::start(f.model.clone(), cfg).expect("engine");
+    let prompt: Vec<u32> = (0..16 * P as u32).map(|i| i % 250).collect();
+    let max_tokens = 1000;
+    let mut h = engine.submit(request(&f, prompt.clone(), max_tokens, 4, r#"{"temperature": 1}"#)).expect("submit");
+    assert!(matches!(h.events.blocking_recv(), Some(SeqEvent::Token { .. })));
+    let mut used = 0;
+    for _ in 0..200 {
+        used = engine.stats.used_pages.load(Relaxed);
+        if used > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let prompt_pages = prompt.len() / P;
+    let own = (prompt.len() + max_tokens).div_ceil(P) - prompt_pages;
+    assert_eq!(used, prompt_pages + 4 * own, "the prompt's {prompt_pages} pages are held once");
+    assert!(used < 4 * (prompt.len() + max_tokens).div_ceil(P));
+    drop(h);
+    wait_idle(&engine);
+    assert_eq!(engine.stats.used_pages.load(Relaxed), 0, "cancelling returns every page");
+    engine.shutdown(Duration::from_secs(1));
+}
+
 #[test]
 fn a_full_pool_refuses_after_the_queue_timeout() {
     let f = fixture();

@@ -64,10 +64,10 @@ impl Checker<'_> {
                 }
             }
             if let Some(cache) = state.mla(i) {
-                self.f32(&format!("{pre}.mla.latent_rows"), &cache.rows, tol);
+                self.f32(&format!("{pre}.mla.latent_rows"), &cache.rows(), tol);
                 let keys = format!("{pre}.indexer.keys");
                 if self.g.has(&keys) {
-                    self.f32(&keys, &cache.index_keys, tol);
+                    self.f32(&keys, &cache.index_keys(), tol);
                 }
             }
         }
