@@ -184,6 +184,23 @@ fn situ_rows_match_f64() {
     }
 }
 
+/// A run of axpys in one call equals the axpys one by one (within rounding of the tail lanes).
+#[test]
+fn axpy_rows_equals_axpys() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for (rows, cols) in [(0, 5), (1, 16), (7, 33), (64, 128)] {
+        let alpha = randn(&mut rng, rows);
+        let m = randn(&mut rng, rows * cols);
+        let y0 = randn(&mut rng, cols);
+        let mut got = y0.clone();
+        kimi_kernels::cpu::simd::axpy_rows(&alpha, &m, &mut got);
+        let want: Vec<f64> = (0..cols)
+            .map(|c| y0[c] as f64 + (0..rows).map(|r| alpha[r] as f64 * m[r * cols + c] as f64).sum::<f64>())
+            .collect();
+        assert_close(&got, &want, 1e-5, "axpy_rows");
+    }
+}
+
 fn l2norm(v: &mut [f32]) {
     let n = (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
     v.iter_mut().for_each(|x| *x /= n);

@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{axpy, decayed_dots, dot};
+use super::simd::{axpy, axpy_rows, decayed_dots, dot};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -39,6 +39,7 @@ pub struct ChunkScratch {
     aqk: Vec<f32>,
     delta: Vec<f32>,
     tmp: Vec<f32>,
+    coef: Vec<f32>,
 }
 
 /// Processes `n ≤ CHUNK` tokens of one head in the WY/UT form and advances `state`.
@@ -96,13 +97,12 @@ pub fn kda_chunk(
         let (done, rest) = s.delta.split_at_mut(i * dv);
         let di = &mut rest[..dv];
         di.copy_from_slice(&v[i * dv..(i + 1) * dv]);
-        for c in 0..dk {
-            axpy(-(ki[c] * gi[c].exp()), &state[c * dv..(c + 1) * dv], di);
-        }
+        s.tmp.iter_mut().zip(ki.iter().zip(gi)).for_each(|(t, (k, g))| *t = -(k * g.exp()));
+        axpy_rows(&s.tmp, &state[..dk * dv], di);
         di.iter_mut().for_each(|x| *x *= beta[i]);
-        for j in 0..i {
-            axpy(-s.akk[i * n + j], &done[j * dv..(j + 1) * dv], di);
-        }
+        s.coef.clear();
+        s.coef.extend(s.akk[i * n..i * n + i].iter().map(|a| -a));
+        axpy_rows(&s.coef, &done[..i * dv], di);
     }
     // O_i = (q_i ⊙ e^{Γ_i}) S₀ + Σ_{j≤i} A_qk[i,j] Δ_j.
     for i in 0..n {
@@ -110,12 +110,9 @@ pub fn kda_chunk(
         let qi = &q[i * dk..(i + 1) * dk];
         let oi = &mut out[i * dv..(i + 1) * dv];
         oi.fill(0.0);
-        for c in 0..dk {
-            axpy(qi[c] * gi[c].exp(), &state[c * dv..(c + 1) * dv], oi);
-        }
-        for j in 0..=i {
-            axpy(s.aqk[i * n + j], &s.delta[j * dv..(j + 1) * dv], oi);
-        }
+        s.tmp.iter_mut().zip(qi.iter().zip(gi)).for_each(|(t, (q, g))| *t = q * g.exp());
+        axpy_rows(&s.tmp, &state[..dk * dv], oi);
+        axpy_rows(&s.aqk[i * n..i * n + i + 1], &s.delta[..(i + 1) * dv], oi);
     }
     // S_C = diag(e^{Γ_C}) S₀ + Σ_i (k_i ⊙ e^{Γ_C − Γ_i}) Δ_iᵀ.
     let last = &gam[(n - 1) * dk..n * dk];
@@ -123,10 +120,9 @@ pub fn kda_chunk(
         let row = &mut state[c * dv..(c + 1) * dv];
         let d = last[c].exp();
         row.iter_mut().for_each(|x| *x *= d);
-        for i in 0..n {
-            let w = k[i * dk + c] * (last[c] - gam[i * dk + c]).exp();
-            axpy(w, &s.delta[i * dv..(i + 1) * dv], row);
-        }
+        s.coef.clear();
+        s.coef.extend((0..n).map(|i| k[i * dk + c] * (last[c] - gam[i * dk + c]).exp()));
+        axpy_rows(&s.coef, &s.delta[..n * dv], row);
     }
 }
 

@@ -85,6 +85,23 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// y += Σ_r alpha[r] · m[r, :] for `m` of `alpha.len()` rows of `y.len()` values: a run of
+/// axpys in one call (each output block stays in registers over all rows).
+pub fn axpy_rows(alpha: &[f32], m: &[f32], y: &mut [f32]) {
+    let cols = y.len();
+    assert_eq!(m.len(), alpha.len() * cols, "axpy_rows: m has {} values, want {}×{cols}", m.len(), alpha.len());
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; `m` holds alpha.len() × cols values.
+        SimdLevel::Avx512 => unsafe { x86::axpy_rows_avx512(alpha, m, y) },
+        _ => {
+            for (r, &a) in alpha.iter().enumerate() {
+                axpy(a, &m[r * cols..(r + 1) * cols], y);
+            }
+        }
+    }
+}
+
 /// The two decayed dot products of the KDA chunk form: with w = k_j ⊙ e^{Γ_i − Γ_j},
 /// returns (q_i · w, k_i · w). All slices have the same length.
 pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) -> (f32, f32) {
@@ -146,6 +163,25 @@ pub(crate) mod x86 {
         let r2 = _mm512_mul_ps(r, r);
         let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
         _mm512_scalef_ps(e, n)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy_rows_avx512(alpha: &[f32], m: &[f32], y: &mut [f32]) {
+        let cols = y.len();
+        let mut c = 0;
+        while c < cols {
+            let mask: __mmask16 = if cols - c >= 16 { 0xffff } else { ((1u32 << (cols - c)) - 1) as __mmask16 };
+            // SAFETY: masked lanes c..min(c+16, cols) of y and of each of m's rows.
+            unsafe {
+                let mut acc = _mm512_maskz_loadu_ps(mask, y.as_ptr().add(c));
+                for (r, &a) in alpha.iter().enumerate() {
+                    let row = _mm512_maskz_loadu_ps(mask, m.as_ptr().add(r * cols + c));
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(a), row, acc);
+                }
+                _mm512_mask_storeu_ps(y.as_mut_ptr().add(c), mask, acc);
+            }
+            c += 16;
+        }
     }
 
     #[target_feature(enable = "avx512f")]
