@@ -2,6 +2,7 @@
 //! measured memory read bandwidth in the same run as the baseline (decode is bandwidth-bound, so
 //! "effective weight bandwidth ÷ measured bandwidth" is the figure of merit).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -9,6 +10,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use kimi_host::model::checkpoint::Checkpoint;
+use kimi_host::model::profile::OpTimes;
 use kimi_host::model::{LogitsFor, Model, ModelError, SeqInput, SequenceState};
 
 #[derive(Debug, Serialize)]
@@ -47,6 +49,8 @@ pub struct BatchRun {
     pub bandwidth_ratio: f64,
     /// Aggregate decode tokens/s over the first batch size's.
     pub speedup: f64,
+    /// Share of the decode steps' wall time per kind of op (`kda`, `moe`, `lm_head`, …).
+    pub op_shares: BTreeMap<&'static str, f64>,
 }
 
 /// Best-of-3 multithreaded read bandwidth over a buffer of `bytes`.
@@ -105,7 +109,7 @@ fn prompt(vocab: usize, len: usize, seed: u64) -> Vec<u32> {
 
 /// Prefills `batch` different prompts (one batched step each chunk of sequences), then times
 /// `decode` steps of all of them together.
-fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -> Result<f64, ModelError> {
+fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -> Result<(f64, OpTimes), ModelError> {
     let c = model.text_config();
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(c.vocab_size, prompt_len, i as u64)).collect();
     let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
@@ -120,6 +124,7 @@ fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -
             .collect();
         next.extend(model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32));
     }
+    let mut times = OpTimes::default();
     let t = Instant::now();
     for _ in 0..decode {
         let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
@@ -128,9 +133,9 @@ fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -
             .zip(states.iter_mut())
             .map(|(ids, state)| SeqInput { ids, state, logits: LogitsFor::LastToken })
             .collect();
-        next = model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32).collect();
+        next = model.forward_batch_profiled(&mut inputs, &mut times)?.iter().map(|l| argmax(l) as u32).collect();
     }
-    Ok(t.elapsed().as_secs_f64())
+    Ok((t.elapsed().as_secs_f64(), times))
 }
 
 pub fn bench_forward(
@@ -152,7 +157,7 @@ pub fn bench_forward(
     let mut runs: Vec<BatchRun> = Vec::new();
     for &b in batches {
         let b = b.max(1);
-        let secs = decode_batch(&model, prompt.len(), b, decode)?;
+        let (secs, times) = decode_batch(&model, prompt.len(), b, decode)?;
         let tps = if decode > 0 { (b * decode) as f64 / secs } else { 0.0 };
         let bytes = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, b)) as u64;
         let steps_per_s = if decode > 0 { decode as f64 / secs } else { 0.0 };
@@ -166,6 +171,7 @@ pub fn bench_forward(
             effective_weight_gb_per_s: eff,
             bandwidth_ratio: eff / bw,
             speedup,
+            op_shares: times.shares().into_iter().map(|(k, v)| (k.name(), v)).collect(),
         });
     }
     let first = &runs[0];
@@ -229,6 +235,12 @@ impl std::fmt::Display for ForwardBench {
                 r.bandwidth_ratio,
                 r.speedup
             )?;
+        }
+        for r in &self.batches {
+            let mut shares: Vec<(&str, f64)> = r.op_shares.iter().map(|(k, v)| (*k, *v)).collect();
+            shares.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let text: Vec<String> = shares.iter().map(|(k, v)| format!("{k} {:.0}%", 100.0 * v)).collect();
+            writeln!(f, "  batch {:>3} time shares: {}", r.batch, text.join(" · "))?;
         }
         Ok(())
     }

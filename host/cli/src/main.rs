@@ -396,6 +396,11 @@ fn main() -> Result<()> {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
+            // Each size holds that many sequence states: capped before anything is loaded.
+            const MAX_BATCH: usize = 1024;
+            if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
+                bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
+            }
             let r = bench_forward(&model, prompt_len, decode, &batch)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);

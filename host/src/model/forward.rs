@@ -13,6 +13,7 @@ use super::mla::MlaLayer;
 use super::mlp::{Mlp, Situ};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
+use super::profile::{Laps, OpKind, OpTimes};
 use super::state::{KdaState, LatentCache, LayerState, SequenceState};
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
@@ -165,7 +166,25 @@ impl Model {
     pub fn forward_batch(
         &self,
         seqs: &mut [SeqInput<'_>],
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.run_batch(seqs, trace, None)
+    }
+
+    /// [`Model::forward_batch`], adding each kind of op's wall time to `times`.
+    pub fn forward_batch_profiled(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        times: &mut OpTimes,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.run_batch(seqs, None, Some(times))
+    }
+
+    fn run_batch(
+        &self,
+        seqs: &mut [SeqInput<'_>],
         mut trace: Option<&mut Trace>,
+        times: Option<&mut OpTimes>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config.text;
         let (d, v) = (c.hidden_size, c.vocab_size);
@@ -176,6 +195,7 @@ impl Model {
         if trace.is_some() && seqs.len() != 1 {
             return Err(ModelError::TraceNeedsOneSequence { sequences: seqs.len() });
         }
+        let mut laps = Laps::new(times);
         let layout = BatchLayout::new(seqs.iter().map(|s| (s.ids.len(), s.state.len)));
         let tokens = layout.len();
         if tokens == 0 {
@@ -187,6 +207,7 @@ impl Model {
         for (t, &id) in seqs.iter().flat_map(|s| s.ids).enumerate() {
             emb_m.row_to_f32(id as usize, &mut h0[t * d..(t + 1) * d]);
         }
+        laps.lap(OpKind::Embedding);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("embedding", &shape, &h0);
         }
@@ -205,7 +226,9 @@ impl Model {
             {
                 blocks.push(p);
             }
+            laps.lap(OpKind::AttnRes);
             let x = rms_norm(&a, &layer.input_norm, c.rms_norm_eps);
+            laps.lap(OpKind::Norm);
             let u = match &layer.mixer {
                 Mixer::Kda(k) => {
                     let mut states: Vec<&mut KdaState> = seqs
@@ -232,6 +255,7 @@ impl Model {
                     u
                 }
             };
+            laps.lap(if matches!(layer.mixer, Mixer::Kda(_)) { OpKind::Kda } else { OpKind::Mla });
             let p = match partial.take() {
                 None => u.clone(),
                 Some(mut p) => {
@@ -239,8 +263,11 @@ impl Model {
                     p
                 }
             };
+            laps.lap(OpKind::Other);
             let m = layer.mlp_res.mix(&candidates(&blocks, Some(&p)), tokens);
+            laps.lap(OpKind::AttnRes);
             let f_in = rms_norm(&m, &layer.post_norm, c.rms_norm_eps);
+            laps.lap(OpKind::Norm);
             let f = match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&f_in, tokens, self.situ),
                 Ffn::Moe(moe) => {
@@ -259,8 +286,10 @@ impl Model {
                     y
                 }
             };
+            laps.lap(if matches!(layer.ffn, Ffn::Dense(_)) { OpKind::DenseMlp } else { OpKind::Moe });
             let mut p = p;
             p.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+            laps.lap(OpKind::Other);
             if let Some(tr) = tr {
                 tr.f32(format!("layer{i}.attn_site_input"), &shape, &a);
                 tr.f32(format!("layer{i}.mixer_input"), &shape, &x);
@@ -277,7 +306,9 @@ impl Model {
         }
 
         let final_mix = self.output_res.mix(&candidates(&blocks, partial.as_ref()), tokens);
+        laps.lap(OpKind::AttnRes);
         let hidden = rms_norm(&final_mix, &self.norm, c.rms_norm_eps);
+        laps.lap(OpKind::Norm);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
             tr.f32("final_hidden", &shape, &hidden);
@@ -297,7 +328,9 @@ impl Model {
         for r in &wanted {
             picked.extend_from_slice(&hidden[r.start * d..r.end * d]);
         }
+        laps.lap(OpKind::Other);
         let logits = self.lm_head.matmul(&picked, rows);
+        laps.lap(OpKind::LmHead);
         if let (Some(tr), [SeqInput { logits: LogitsFor::AllTokens, .. }]) = (trace, &*seqs) {
             tr.f32("logits", &[tokens, v], &logits);
         }

@@ -12,6 +12,7 @@ pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod profile;
 pub mod state;
 pub mod tiny;
 pub mod trace;
