@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{axpy, axpy_rows, decayed_dots, dot};
+use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, simd_level};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -13,6 +13,15 @@ pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], b
     let dk = k.len();
     let dv = v.len();
     debug_assert_eq!(state.len(), dk * dv);
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && state.len() == dk * dv && q.len() == dk && g.len() == dk && out.len() == dv
+    {
+        let decay: Vec<f32> = g.iter().map(|x| x.exp()).collect();
+        let kq = dot(k, q);
+        // SAFETY: the level was detected at run time and every length was checked above.
+        unsafe { x86::step_avx512(state, q, k, v, &decay, beta, kq, out) };
+        return;
+    }
     // pred = S_decᵀ k and read = S_decᵀ q, in one pass over the decayed rows.
     let mut pred = vec![0f32; dv];
     out.fill(0.0);
@@ -157,5 +166,58 @@ pub fn kda_prefill(
             &mut scratch,
         );
         t0 = t1;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The recurrent step one 16-column block of the state at a time: decay the block's rows and
+    /// gather `pred` and the read in registers, then write the delta-rule update into the same
+    /// rows while they are still in L1 — the state is read once and written once.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn step_avx512(
+        state: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        decay: &[f32],
+        beta: f32,
+        kq: f32,
+        out: &mut [f32],
+    ) {
+        let (dk, dv) = (k.len(), v.len());
+        let mut c = 0;
+        while c < dv {
+            let m: __mmask16 = if dv - c >= 16 { 0xffff } else { ((1u32 << (dv - c)) - 1) as __mmask16 };
+            // SAFETY: masked lanes c..min(c+16, dv) of rows of `dv` values (state is dk × dv).
+            unsafe {
+                let mut pred = _mm512_setzero_ps();
+                let mut read = _mm512_setzero_ps();
+                for j in 0..dk {
+                    let p = state.as_mut_ptr().add(j * dv + c);
+                    let row = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), _mm512_set1_ps(decay[j]));
+                    _mm512_mask_storeu_ps(p, m, row);
+                    pred = _mm512_fmadd_ps(_mm512_set1_ps(k[j]), row, pred);
+                    read = _mm512_fmadd_ps(_mm512_set1_ps(q[j]), row, read);
+                }
+                let err = _mm512_mul_ps(
+                    _mm512_set1_ps(beta),
+                    _mm512_sub_ps(_mm512_maskz_loadu_ps(m, v.as_ptr().add(c)), pred),
+                );
+                for j in 0..dk {
+                    let p = state.as_mut_ptr().add(j * dv + c);
+                    _mm512_mask_storeu_ps(
+                        p,
+                        m,
+                        _mm512_fmadd_ps(_mm512_set1_ps(k[j]), err, _mm512_maskz_loadu_ps(m, p)),
+                    );
+                }
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, _mm512_fmadd_ps(_mm512_set1_ps(kq), err, read));
+            }
+            c += 16;
+        }
     }
 }
