@@ -207,13 +207,9 @@ mod x86 {
                     _mm512_set1_ps(beta),
                     _mm512_sub_ps(_mm512_maskz_loadu_ps(m, v.as_ptr().add(c)), pred),
                 );
-                for j in 0..dk {
+                for (j, &kj) in k.iter().enumerate() {
                     let p = state.as_mut_ptr().add(j * dv + c);
-                    _mm512_mask_storeu_ps(
-                        p,
-                        m,
-                        _mm512_fmadd_ps(_mm512_set1_ps(k[j]), err, _mm512_maskz_loadu_ps(m, p)),
-                    );
+                    _mm512_mask_storeu_ps(p, m, _mm512_fmadd_ps(_mm512_set1_ps(kj), err, _mm512_maskz_loadu_ps(m, p)));
                 }
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, _mm512_fmadd_ps(_mm512_set1_ps(kq), err, read));
             }
