@@ -1,5 +1,5 @@
 //! CPU backend: SIMD inner loops (`simd`), weight formats (`bf16`, `mxfp4`), threaded matrix
-//! products (`gemm`) and the Kimi Delta Attention core (`kda`).
+//! products (`gemm`), the SiTU activation (`situ`) and the Kimi Delta Attention core (`kda`).
 
 pub mod bf16;
 pub mod gemm;
