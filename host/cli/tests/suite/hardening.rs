@@ -37,6 +37,15 @@ fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// (status, body text) of a GET with the operator's key.
+fn operator_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let req =
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n");
+    let text = raw(addr, req.as_bytes(), Duration::from_secs(10));
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, text.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default())
+}
+
 /// (status, JSON body) of one request.
 fn request(addr: SocketAddr, method: &str, path: &str, key: Option<&str>, body: Option<&Value>) -> (u16, Value) {
     let body = body.map(Value::to_string).unwrap_or_default();
@@ -399,7 +408,17 @@ fn a_queued_stream_gets_keepalives() {
     // One long request holds the only sequence slot (EOS `<|end_of_msg|>` = 258 is banned).
     let long = chat(json!({"max_tokens": 3000, "temperature": 0, "logit_bias": {"258": -100}}));
     let holder = std::thread::spawn(move || request(addr, "POST", "/v1/chat/completions", None, Some(&long)));
-    std::thread::sleep(Duration::from_millis(300));
+    // Send the stream only once the holder runs: under load its preparation can outlast any fixed
+    // pause, and a stream admitted first would finish before a keep-alive is due.
+    let t = Instant::now();
+    loop {
+        let (_, metrics) = operator_get(addr, "/metrics");
+        if metrics.lines().any(|l| l.trim() == "kimi_running_requests 1") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60) && !holder.is_finished(), "the holder never ran: {metrics}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let body = chat(json!({"stream": true, "max_tokens": 2})).to_string();
     let req = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
