@@ -1,10 +1,19 @@
-//! `kimi-kernels`: every numeric op the Kimi engine runs, behind one API.
+//! `kimi-kernels`: every numeric op the Kimi engine runs, declared once in the [`Backend`] trait.
 //!
-//! Today only the CPU backend exists (`cpu`): runtime-dispatched AVX-512 / AVX2 code with a scalar
-//! fallback, threaded with rayon. Weights are borrowed in their stored formats (BF16, MXFP4) and
-//! never dequantised up front; accumulation is always f32.
+//! Today only the CPU backend exists (`cpu`, [`CpuBackend`]): runtime-dispatched AVX-512 / AVX2
+//! code with a scalar fallback, threaded with rayon. Weights are borrowed in their stored formats
+//! (BF16, MXFP4) and never dequantised up front; accumulation is always f32.
 
+pub mod backend;
 pub mod cpu;
+
+pub use backend::{
+    Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,
+};
+pub use cpu::backend::CpuBackend;
+/// Storage-format encoders (for writing checkpoints, e.g. the embedded tiny model).
+pub use cpu::bf16::f32_to_bf16_bits;
+pub use cpu::mxfp4::quantize_row as mxfp4_quantize_row;
 
 pub use cpu::bf16::Bf16Matrix;
 pub use cpu::mxfp4::Mxfp4Matrix;

@@ -237,6 +237,8 @@ pub struct Engine {
     pub stats: Arc<EngineStats>,
     pub config: EngineConfig,
     pub max_context: usize,
+    /// What the model's ops run on (`Backend::describe`), for logs.
+    pub backend: String,
     thread: Mutex<Option<JoinHandle<()>>>,
     accepting: AtomicBool,
     /// An empty pool, to refuse at once what could never fit.
@@ -253,6 +255,7 @@ impl Engine {
         stats.total_pages.store(pool.total_pages, Ordering::Relaxed);
         let empty_pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
         let max_context = model.text_config().max_position_embeddings;
+        let backend = model.backend().describe();
         let (tx, rx) = mpsc::channel();
         let worker = step::Worker::new(model, config.clone(), pool, stats.clone());
         let thread = std::thread::Builder::new()
@@ -264,6 +267,7 @@ impl Engine {
             stats,
             config,
             max_context,
+            backend,
             thread: Mutex::new(Some(thread)),
             accepting: AtomicBool::new(true),
             empty_pool,

@@ -1,8 +1,9 @@
 //! Block Attention Residuals (spec §2.3): softmax over block snapshots and the running partial
 //! sum, scored by a learned query against the weight-less RMS-normalised candidates.
 
+use kimi_kernels::Backend;
+
 use super::error::ModelError;
-use super::norm::inv_rms;
 use super::weights::TensorSource;
 
 /// One mixing site (`self_attention_res`, `mlp_res` or `output_attn_res`).
@@ -20,26 +21,10 @@ impl ResMix {
     }
 
     /// Mixes candidates (each `[tokens, d]`), per token: Σᵢ softmaxᵢ(⟨Vᵢ/rms(Vᵢ), query⟩) · Vᵢ.
-    pub fn mix(&self, cands: &[&[f32]], tokens: usize) -> Vec<f32> {
-        let d = self.query.len();
-        let mut out = vec![0f32; tokens * d];
-        let mut scores = vec![0f32; cands.len()];
-        for t in 0..tokens {
-            for (s, v) in scores.iter_mut().zip(cands) {
-                let row = &v[t * d..(t + 1) * d];
-                *s = kimi_kernels::cpu::simd::dot(row, &self.query) * inv_rms(row, self.eps);
-            }
-            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut z = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                z += *s;
-            }
-            let o = &mut out[t * d..(t + 1) * d];
-            for (s, v) in scores.iter().zip(cands) {
-                kimi_kernels::cpu::simd::axpy(s / z, &v[t * d..(t + 1) * d], o);
-            }
-        }
+    /// Mixes the candidates (`[tokens, d]` each) for every token of the step.
+    pub fn mix(&self, be: &dyn Backend, cands: &[&[f32]], tokens: usize) -> Vec<f32> {
+        let mut out = vec![0f32; tokens * self.query.len()];
+        be.attn_res_mix(&self.query, self.eps, cands, &mut out);
         out
     }
 }

@@ -13,22 +13,8 @@ pub struct SeqInput<'a> {
     pub logits: LogitsFor,
 }
 
-/// Where one sequence's tokens lie in the flat batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Span {
-    /// First row of this sequence in the batch.
-    pub start: usize,
-    /// Rows (new tokens) of this sequence.
-    pub len: usize,
-    /// Tokens the sequence held before this step: the absolute position of its first new token.
-    pub pos: usize,
-}
-
-impl Span {
-    pub fn rows(&self) -> std::ops::Range<usize> {
-        self.start..self.start + self.len
-    }
-}
+/// Where one sequence's tokens lie in the flat batch (the backend's type: ops read it as is).
+pub use kimi_kernels::SeqSpan as Span;
 
 /// The shape of a step: per sequence its span, per token its sequence and position.
 #[derive(Clone, Debug, Default)]

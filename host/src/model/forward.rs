@@ -2,6 +2,9 @@
 //! latent MoE) → output mix → final norm → `lm_head` (spec §2).
 
 use std::path::Path;
+use std::sync::Arc;
+
+use kimi_kernels::{Backend, CpuBackend, SituParams};
 
 use super::attn_res::ResMix;
 use super::batch::{BatchLayout, SeqInput};
@@ -10,7 +13,7 @@ use super::config::{MixerKind, ModelConfig, TextConfig, load_config};
 use super::error::ModelError;
 use super::kda::KdaLayer;
 use super::mla::MlaLayer;
-use super::mlp::{Mlp, Situ};
+use super::mlp::{Mlp, situ_params};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
 use super::profile::{Laps, OpKind, OpTimes};
@@ -50,7 +53,9 @@ pub struct Model {
     output_res: ResMix,
     norm: Vec<f32>,
     lm_head: Weight,
-    situ: Situ,
+    situ: SituParams,
+    /// Where every op runs; model code reaches kernels only through it.
+    backend: Arc<dyn Backend>,
     /// Keeps the memory maps alive for the weights' lifetime.
     _checkpoint: Option<Checkpoint>,
 }
@@ -105,8 +110,20 @@ impl Model {
         let output_res = ResMix::load(src, &m("output_attn_res"), d, c.rms_norm_eps)?;
         let norm = src.vector(&m("norm.weight"), &[d])?;
         let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
-        let situ = Situ::from_config(c);
-        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, _checkpoint: None })
+        let situ = situ_params(c);
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
+        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, _checkpoint: None })
+    }
+
+    /// Runs every op on `backend` from now on (the default is [`CpuBackend`]).
+    pub fn with_backend(mut self, backend: Arc<dyn Backend>) -> Model {
+        self.backend = backend;
+        self
+    }
+
+    /// The backend the ops run on.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
     }
 
     pub fn text_config(&self) -> &TextConfig {
@@ -201,12 +218,11 @@ impl Model {
         if tokens == 0 {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
+        let be = &*self.backend;
         let shape = [tokens, d];
-        let emb_m = self.embed.m();
+        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.ids.iter().copied()).collect();
         let mut h0 = vec![0f32; tokens * d];
-        for (t, &id) in seqs.iter().flat_map(|s| s.ids).enumerate() {
-            emb_m.row_to_f32(id as usize, &mut h0[t * d..(t + 1) * d]);
-        }
+        be.embedding(&self.embed.m(), &ids, &mut h0);
         laps.lap(OpKind::Embedding);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("embedding", &shape, &h0);
@@ -219,7 +235,7 @@ impl Model {
             // Attention site: mix banked blocks with the running partial sum (layer 0: embedding).
             let a = match (&partial, blocks.is_empty()) {
                 (Some(p), true) => p.clone(),
-                (p, _) => layer.attn_res.mix(&candidates(&blocks, p.as_ref()), tokens),
+                (p, _) => layer.attn_res.mix(be, &candidates(&blocks, p.as_ref()), tokens),
             };
             if i % c.attn_res_block_size == 0
                 && let Some(p) = partial.take()
@@ -227,7 +243,7 @@ impl Model {
                 blocks.push(p);
             }
             laps.lap(OpKind::AttnRes);
-            let x = rms_norm(&a, &layer.input_norm, c.rms_norm_eps);
+            let x = rms_norm(be, &a, &layer.input_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
             let u = match &layer.mixer {
                 Mixer::Kda(k) => {
@@ -238,7 +254,7 @@ impl Model {
                             _ => Err(ModelError::StateMismatch { layer: i }),
                         })
                         .collect::<Result<_, _>>()?;
-                    k.forward(&x, &layout.spans, &mut states)
+                    k.forward(be, &x, &layout.spans, &mut states)
                 }
                 Mixer::Mla(m) => {
                     let mut caches: Vec<&mut LatentCache> = seqs
@@ -248,7 +264,7 @@ impl Model {
                             _ => Err(ModelError::StateMismatch { layer: i }),
                         })
                         .collect::<Result<_, _>>()?;
-                    let (u, sel) = m.forward(&x, &layout, &mut caches);
+                    let (u, sel) = m.forward(be, &x, &layout, &mut caches);
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }
@@ -259,19 +275,19 @@ impl Model {
             let p = match partial.take() {
                 None => u.clone(),
                 Some(mut p) => {
-                    p.iter_mut().zip(&u).for_each(|(a, b)| *a += b);
+                    be.add(&mut p, &u);
                     p
                 }
             };
             laps.lap(OpKind::Other);
-            let m = layer.mlp_res.mix(&candidates(&blocks, Some(&p)), tokens);
+            let m = layer.mlp_res.mix(be, &candidates(&blocks, Some(&p)), tokens);
             laps.lap(OpKind::AttnRes);
-            let f_in = rms_norm(&m, &layer.post_norm, c.rms_norm_eps);
+            let f_in = rms_norm(be, &m, &layer.post_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&f_in, tokens, self.situ),
+                Ffn::Dense(mlp) => mlp.forward(be, &f_in, tokens, self.situ),
                 Ffn::Moe(moe) => {
-                    let (y, r) = moe.forward(&f_in, tokens, self.situ);
+                    let (y, r) = moe.forward(be, &f_in, tokens, self.situ);
                     if let Some(tr) = tr.as_deref_mut() {
                         let e = r.scores.len() / tokens;
                         tr.i64(
@@ -288,7 +304,7 @@ impl Model {
             };
             laps.lap(if matches!(layer.ffn, Ffn::Dense(_)) { OpKind::DenseMlp } else { OpKind::Moe });
             let mut p = p;
-            p.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+            be.add(&mut p, &f);
             laps.lap(OpKind::Other);
             if let Some(tr) = tr {
                 tr.f32(format!("layer{i}.attn_site_input"), &shape, &a);
@@ -305,9 +321,9 @@ impl Model {
             s.state.len += span.len;
         }
 
-        let final_mix = self.output_res.mix(&candidates(&blocks, partial.as_ref()), tokens);
+        let final_mix = self.output_res.mix(be, &candidates(&blocks, partial.as_ref()), tokens);
         laps.lap(OpKind::AttnRes);
-        let hidden = rms_norm(&final_mix, &self.norm, c.rms_norm_eps);
+        let hidden = rms_norm(be, &final_mix, &self.norm, c.rms_norm_eps);
         laps.lap(OpKind::Norm);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
@@ -329,7 +345,7 @@ impl Model {
             picked.extend_from_slice(&hidden[r.start * d..r.end * d]);
         }
         laps.lap(OpKind::Other);
-        let logits = self.lm_head.matmul(&picked, rows);
+        let logits = self.lm_head.matmul(be, &picked, rows);
         laps.lap(OpKind::LmHead);
         if let (Some(tr), [SeqInput { logits: LogitsFor::AllTokens, .. }]) = (trace, &*seqs) {
             tr.f32("logits", &[tokens, v], &logits);

@@ -1,6 +1,10 @@
 //! K3.1 lightning indexer (spec §5, fp32, NoPE): one key per token shared by all index heads;
 //! each query keeps the top-min(k, t+1) past tokens, and every MLA head attends only to those.
 
+use kimi_kernels::{Backend, PagedRows};
+
+pub use kimi_kernels::Selection;
+
 use super::config::IndexerConfig;
 use super::error::ModelError;
 use super::norm::layer_norm;
@@ -15,16 +19,6 @@ pub struct Indexer {
     n_heads: usize,
     head_dim: usize,
     topk: usize,
-}
-
-/// The indexer's decision for one query token.
-pub struct Selection {
-    /// Selected past positions, ascending.
-    pub tokens: Vec<usize>,
-    /// I(t, s) for every candidate s ≤ t.
-    pub scores: Vec<f32>,
-    /// I(k-th) − I((k+1)-th); NaN when nothing is pruned.
-    pub margin: f32,
 }
 
 impl Indexer {
@@ -49,54 +43,27 @@ impl Indexer {
     }
 
     /// Keys LayerNorm(wk x) for `tokens` new rows of the MLA input `x`, `[tokens, d_I]`.
-    pub fn keys(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        layer_norm(&self.wk.matmul(x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
+    pub fn keys(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Vec<f32> {
+        layer_norm(be, &self.wk.matmul(be, x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
     }
 
     /// Selections for every row of a step: row t is the query of sequence `rows[t].0` at absolute
-    /// position `rows[t].1`; `key(seq, s)` must cover every position of that sequence up to its
+    /// position `rows[t].1`; `keys[seq]` must cover every position of that sequence up to its
     /// last query. `c_q` is MLA's `q_a_layernorm` output.
-    pub fn select<'k>(
+    pub fn select(
         &self,
+        be: &dyn Backend,
         x: &[f32],
         c_q: &[f32],
         rows: &[(usize, usize)],
-        key: impl Fn(usize, usize) -> &'k [f32] + Sync,
+        keys: &[PagedRows<'_>],
     ) -> Vec<Selection> {
-        use rayon::prelude::*;
         let (h, d) = (self.n_heads, self.head_dim);
         let tokens = rows.len();
-        let q = self.wq_b.matmul(c_q, tokens);
-        let w = self.weights_proj.matmul(x, tokens);
+        let q = self.wq_b.matmul(be, c_q, tokens);
+        let w = self.weights_proj.matmul(be, x, tokens);
         let wscale = 1.0 / ((h as f32).sqrt() * (d as f32).sqrt());
-        (0..tokens)
-            .into_par_iter()
-            .map(|t| {
-                let (seq, pos) = rows[t];
-                let qt = &q[t * h * d..(t + 1) * h * d];
-                let scores: Vec<f32> = (0..=pos)
-                    .map(|s| {
-                        let ks = key(seq, s);
-                        (0..h)
-                            .map(|j| {
-                                let dotp = kimi_kernels::cpu::simd::dot(&qt[j * d..(j + 1) * d], ks);
-                                w[t * h + j] * wscale * dotp.max(0.0)
-                            })
-                            .sum()
-                    })
-                    .collect();
-                let k = self.topk.min(pos + 1);
-                let mut order: Vec<usize> = (0..=pos).collect();
-                let mut margin = f32::NAN;
-                if k < order.len() {
-                    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-                    margin = scores[order[k - 1]] - scores[order[k]];
-                    order.truncate(k);
-                    order.sort_unstable();
-                }
-                Selection { tokens: order, scores, margin }
-            })
-            .collect()
+        be.indexer_topk(&q, &w, h, wscale, self.topk, rows, keys)
     }
 
     pub fn topk(&self) -> usize {

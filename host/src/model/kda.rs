@@ -1,15 +1,11 @@
 //! Kimi Delta Attention layer (spec §2.4): projections, short convolutions, gates, the delta-rule
-//! core (chunked for prefill, recurrent for decode; kernels in `kimi_kernels::cpu::kda`), the
+//! core (chunked for prefill, recurrent for decode; the backend's `kda_recurrence`), the
 //! sigmoid-gated output norm and `o_proj`.
 
-use rayon::prelude::*;
+use kimi_kernels::{Backend, KdaInputs, KdaParams, SeqSpan};
 
-use kimi_kernels::cpu::kda::{kda_prefill, kda_step};
-
-use super::batch::Span;
 use super::config::TextConfig;
 use super::error::ModelError;
-use super::norm::{inv_rms, l2_norm, sigmoid, silu};
 use super::state::KdaState;
 use super::weights::{TensorSource, Weight};
 
@@ -90,106 +86,38 @@ impl KdaLayer {
 
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
     /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
-    /// convolution and the delta-rule core run per sequence (per head), reading that sequence's
-    /// state.
-    pub fn forward(&self, x: &[f32], spans: &[Span], states: &mut [&mut KdaState]) -> Vec<f32> {
+    /// convolution and the delta-rule core run per sequence, reading that sequence's state.
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], spans: &[SeqSpan], states: &mut [&mut KdaState]) -> Vec<f32> {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
         let tokens: usize = spans.iter().map(|s| s.len).sum();
         let mut branches =
-            [self.q_proj.matmul(x, tokens), self.k_proj.matmul(x, tokens), self.v_proj.matmul(x, tokens)];
+            [self.q_proj.matmul(be, x, tokens), self.k_proj.matmul(be, x, tokens), self.v_proj.matmul(be, x, tokens)];
         for (b, raw) in branches.iter_mut().enumerate() {
-            for (span, state) in spans.iter().zip(states.iter_mut()) {
-                let rows = &mut raw[span.start * p..(span.start + span.len) * p];
-                self.short_conv(rows, &self.conv[b], state.conv_frames_mut(b));
-            }
+            let mut frames: Vec<&mut [f32]> = states.iter_mut().map(|s| s.conv_frames_mut(b)).collect();
+            be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
         }
         let [q, kk, v] = branches;
-        let z = self.f_b.matmul(&self.f_a.matmul(x, tokens), tokens);
-        let beta_logits = self.b_proj.matmul(x, tokens);
+        let z = self.f_b.matmul(be, &self.f_a.matmul(be, x, tokens), tokens);
+        let beta_logits = self.b_proj.matmul(be, x, tokens);
         let r = match &self.gate {
-            OutputGate::Full(g) => g.matmul(x, tokens),
-            OutputGate::LowRank(a, b) => b.matmul(&a.matmul(x, tokens), tokens),
+            OutputGate::Full(g) => g.matmul(be, x, tokens),
+            OutputGate::LowRank(a, b) => b.matmul(be, &a.matmul(be, x, tokens), tokens),
         };
-
-        // One job per (sequence, head): each owns that head's recurrent matrix.
-        let jobs: Vec<(Span, usize, &mut [f32])> = spans
-            .iter()
-            .zip(states.iter_mut())
-            .filter(|(span, _)| span.len > 0)
-            .flat_map(|(span, state)| state.recurrent.chunks_mut(k * k).enumerate().map(move |(hh, s)| (*span, hh, s)))
-            .collect();
-        let scale = 1.0 / (k as f32).sqrt();
-        let lb = self.lower_bound;
-        let outs: Vec<(Span, usize, Vec<f32>)> = jobs
-            .into_par_iter()
-            .map(|(span, hh, s)| {
-                let n = span.len;
-                let mut qh = vec![0f32; n * k];
-                let mut kh = vec![0f32; n * k];
-                let mut vh = vec![0f32; n * k];
-                let mut gh = vec![0f32; n * k];
-                let mut bh = vec![0f32; n];
-                for i in 0..n {
-                    let t = span.start + i;
-                    let src = t * p + hh * k..t * p + (hh + 1) * k;
-                    let dst = i * k..(i + 1) * k;
-                    qh[dst.clone()].copy_from_slice(&q[src.clone()]);
-                    l2_norm(&mut qh[dst.clone()], 1e-6);
-                    qh[dst.clone()].iter_mut().for_each(|v| *v *= scale);
-                    kh[dst.clone()].copy_from_slice(&kk[src.clone()]);
-                    l2_norm(&mut kh[dst.clone()], 1e-6);
-                    vh[dst.clone()].copy_from_slice(&v[src.clone()]);
-                    for j in 0..k {
-                        let c = hh * k + j;
-                        gh[i * k + j] = lb * sigmoid(self.a_exp[hh] * (z[t * p + c] + self.dt_bias[c]));
-                    }
-                    bh[i] = sigmoid(beta_logits[t * h + hh]);
-                }
-                let mut o = vec![0f32; n * k];
-                if n == 1 {
-                    kda_step(s, &qh, &kh, &vh, &gh, bh[0], &mut o);
-                } else {
-                    kda_prefill(s, &qh, &kh, &vh, &gh, &bh, &mut o, k, k);
-                }
-                (span, hh, o)
-            })
-            .collect();
-
+        let params = KdaParams {
+            heads: h,
+            head_dim: k,
+            a_exp: &self.a_exp,
+            dt_bias: &self.dt_bias,
+            lower_bound: self.lower_bound,
+        };
+        let inputs = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
+        let mut slots: Vec<&mut [f32]> = states.iter_mut().map(|s| s.recurrent.as_mut_slice()).collect();
+        let mut o = vec![0f32; tokens * p];
+        be.kda_recurrence(&params, &inputs, spans, &mut slots, &mut o);
         // Sigmoid-gated RMSNorm per head, then o_proj.
         let mut y = vec![0f32; tokens * p];
-        for (span, hh, o) in &outs {
-            for i in 0..span.len {
-                let oh = &o[i * k..(i + 1) * k];
-                let inv = inv_rms(oh, self.eps);
-                let base = (span.start + i) * p + hh * k;
-                let (ys, rs) = (&mut y[base..base + k], &r[base..base + k]);
-                for (((yv, ov), wv), rv) in ys.iter_mut().zip(oh).zip(&self.o_norm).zip(rs) {
-                    *yv = wv * (ov * inv) * sigmoid(*rv);
-                }
-            }
-        }
-        self.o_proj.matmul(&y, tokens)
-    }
-
-    /// Causal depthwise conv + SiLU over one sequence's `[tokens, P]` rows, in place, continuing
-    /// from (and updating) its `frames`.
-    fn short_conv(&self, rows: &mut [f32], taps: &[f32], frames: &mut [f32]) {
-        let w = self.kernel;
-        let p = self.heads * self.head_dim;
-        let tokens = rows.len() / p;
-        let mut ext = Vec::with_capacity(frames.len() + rows.len());
-        ext.extend_from_slice(frames);
-        ext.extend_from_slice(rows);
-        for t in 0..tokens {
-            for c in 0..p {
-                let mut acc = 0f32;
-                for i in 0..w {
-                    acc += taps[c * w + i] * ext[(t + i) * p + c];
-                }
-                rows[t * p + c] = silu(acc);
-            }
-        }
-        frames.copy_from_slice(&ext[tokens * p..]);
+        be.gated_rms_norm(&o, &r, &self.o_norm, self.eps, &mut y);
+        self.o_proj.matmul(be, &y, tokens)
     }
 }

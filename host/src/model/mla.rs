@@ -3,15 +3,13 @@
 //! [c | k_pe] as one shared KV head, and the latent context is lifted with W_UV. Prefill and
 //! decode run the same code; only the number of new rows differs. No rotation anywhere.
 
-use rayon::prelude::*;
-
-use kimi_kernels::cpu::simd::{axpy, dot};
+use kimi_kernels::{Backend, PagedRows, Selection};
 
 use super::batch::BatchLayout;
 use super::config::TextConfig;
 use super::error::ModelError;
-use super::indexer::{Indexer, Selection};
-use super::norm::{rms_norm, sigmoid};
+use super::indexer::Indexer;
+use super::norm::rms_norm;
 use super::state::LatentCache;
 use super::weights::{TensorSource, Weight};
 
@@ -64,10 +62,11 @@ impl MlaLayer {
 
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `caches[s]` belongs to
     /// `layout.spans[s]` and gains its rows. Projections run once over all T rows; each token
-    /// attends over its own sequence's cache. Returns the layer output and, for K3.1, the
-    /// indexer's selection per row.
+    /// attends over its own sequence's cache through its page table. Returns the layer output
+    /// and, for K3.1, the indexer's selection per row.
     pub fn forward(
         &self,
+        be: &dyn Backend,
         x: &[f32],
         layout: &BatchLayout,
         caches: &mut [&mut LatentCache],
@@ -76,82 +75,36 @@ impl MlaLayer {
         let width = r + dr;
         let tokens = layout.len();
 
-        let c_q = rms_norm(&self.q_a.matmul(x, tokens), &self.q_a_norm, LORA_NORM_EPS);
-        let q = self.q_b.matmul(&c_q, tokens);
-        let kv = self.kv_a.matmul(x, tokens);
-        let keys = self.indexer.as_ref().map(|ix| ix.keys(x, tokens));
+        let c_q = rms_norm(be, &self.q_a.matmul(be, x, tokens), &self.q_a_norm, LORA_NORM_EPS);
+        let q = self.q_b.matmul(be, &c_q, tokens);
+        let kv = self.kv_a.matmul(be, x, tokens);
+        let latent: Vec<f32> = kv.chunks_exact(width).flat_map(|row| row[..r].iter().copied()).collect();
+        let latent = rms_norm(be, &latent, &self.kv_a_norm, LORA_NORM_EPS);
+        let keys = self.indexer.as_ref().map(|ix| ix.keys(be, x, tokens));
         for (span, cache) in layout.spans.iter().zip(caches.iter_mut()) {
             for t in span.rows() {
-                let row = &kv[t * width..(t + 1) * width];
-                let c = rms_norm(&row[..r], &self.kv_a_norm, LORA_NORM_EPS);
                 let key = keys.as_ref().map_or(&[][..], |k| &k[t * cache.index_dim..(t + 1) * cache.index_dim]);
-                cache.push(&c, &row[r..], key);
+                cache.push(&latent[t * r..(t + 1) * r], &kv[t * width + r..(t + 1) * width], key);
             }
         }
-        let caches: Vec<&LatentCache> = caches.iter().map(|c| &**c).collect();
+        let rows: Vec<PagedRows<'_>> = caches.iter().map(|c| c.rows_view()).collect();
+        let selections = self.indexer.as_ref().map(|ix| {
+            let keys: Vec<PagedRows<'_>> = caches.iter().map(|c| c.keys_view()).collect();
+            ix.select(be, x, &c_q, &layout.tokens, &keys)
+        });
 
-        let selections =
-            self.indexer.as_ref().map(|ix| ix.select(x, &c_q, &layout.tokens, |seq, s| caches[seq].index_key(s)));
-
+        let w_kv = self.kv_b.m();
+        let mut q_abs = vec![0f32; tokens * h * width];
+        be.mla_absorb(&w_kv, h, dn, dv, tokens, &q, &mut q_abs);
+        let mut ctx = vec![0f32; tokens * h * r];
         let scale = 1.0 / ((dn + dr) as f32).sqrt();
-        let wkv = self.kv_b.m();
-        let heads: Vec<Vec<f32>> = (0..h)
-            .into_par_iter()
-            .map(|hh| {
-                let w_uk = wkv.row_range(hh * (dn + dv), dn);
-                let w_uv = wkv.row_range(hh * (dn + dv) + dn, dv);
-                let mut ctx = vec![0f32; tokens * r];
-                // This head's queries absorbed into the latent space for every row at once
-                // (W_UKᵀ q_nope), so W_UK is read once per step.
-                let head_q =
-                    |t: usize| &q[t * h * (dn + dr) + hh * (dn + dr)..t * h * (dn + dr) + (hh + 1) * (dn + dr)];
-                let q_nope: Vec<f32> = (0..tokens).flat_map(|t| head_q(t)[..dn].iter().copied()).collect();
-                let mut q_lat = vec![0f32; tokens * r];
-                w_uk.matmul_transposed(&q_nope, tokens, &mut q_lat);
-                let mut qabs = vec![0f32; width];
-                let mut scores = Vec::new();
-                let mut all = Vec::new();
-                for (t, &(seq, pos)) in layout.tokens.iter().enumerate() {
-                    let cache = caches[seq];
-                    qabs[..r].copy_from_slice(&q_lat[t * r..(t + 1) * r]);
-                    qabs[r..].copy_from_slice(&head_q(t)[dn..]);
-                    let cand: &[usize] = match &selections {
-                        Some(sel) => &sel[t].tokens,
-                        None => {
-                            all.clear();
-                            all.extend(0..=pos);
-                            &all
-                        }
-                    };
-                    scores.clear();
-                    scores.extend(cand.iter().map(|&s| dot(&qabs, cache.row(s)) * scale));
-                    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut z = 0f32;
-                    scores.iter_mut().for_each(|s| {
-                        *s = (*s - m).exp();
-                        z += *s;
-                    });
-                    let ct = &mut ctx[t * r..(t + 1) * r];
-                    for (&s, p) in cand.iter().zip(&scores) {
-                        axpy(p / z, &cache.row(s)[..r], ct);
-                    }
-                }
-                let mut o = vec![0f32; tokens * dv];
-                w_uv.matmul(&ctx, tokens, &mut o);
-                o
-            })
-            .collect();
-
+        be.mla_attention(&q_abs, h, r, scale, &layout.tokens, &rows, selections.as_deref(), &mut ctx);
         let mut o = vec![0f32; tokens * h * dv];
-        for (hh, oh) in heads.iter().enumerate() {
-            for t in 0..tokens {
-                o[t * h * dv + hh * dv..t * h * dv + (hh + 1) * dv].copy_from_slice(&oh[t * dv..(t + 1) * dv]);
-            }
-        }
+        be.mla_lift(&w_kv, h, dn, dv, tokens, &ctx, &mut o);
         if let Some(g) = &self.g_proj {
-            let gate = g.matmul(x, tokens);
-            o.iter_mut().zip(&gate).for_each(|(v, g)| *v *= sigmoid(*g));
+            let gate = g.matmul(be, x, tokens);
+            be.sigmoid_mul(&mut o, &gate);
         }
-        (self.o_proj.matmul(&o, tokens), selections)
+        (self.o_proj.matmul(be, &o, tokens), selections)
     }
 }

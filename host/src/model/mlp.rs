@@ -1,30 +1,14 @@
 //! SiTU-GLU MLP (spec §2.6): dense layer-0 MLP and the shared experts.
 
+use kimi_kernels::{Backend, SituParams};
+
 use super::config::TextConfig;
 use super::error::ModelError;
 use super::weights::{TensorSource, Weight};
 
-/// SiTU activation parameters: gate soft-cap β, optional up-branch soft-cap.
-#[derive(Clone, Copy, Debug)]
-pub struct Situ {
-    pub beta: f32,
-    pub linear_beta: Option<f32>,
-}
-
-impl Situ {
-    pub fn from_config(c: &TextConfig) -> Situ {
-        Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta }
-    }
-
-    /// [β·tanh(a/β)·σ(a)] · [β_lin·tanh(u/β_lin)]; σ sees the uncapped gate.
-    pub fn apply(&self, a: f32, u: f32) -> f32 {
-        kimi_kernels::cpu::situ::situ(a, u, self.beta, self.linear_beta)
-    }
-
-    /// In place over `gate` with `up`.
-    pub fn apply_rows(&self, gate: &mut [f32], up: &[f32]) {
-        kimi_kernels::cpu::situ::situ_rows(gate, up, self.beta, self.linear_beta)
-    }
+/// The SiTU activation's constants from the config: gate soft-cap β, optional up-branch cap.
+pub fn situ_params(c: &TextConfig) -> SituParams {
+    SituParams { beta: c.situ_beta, linear_beta: c.situ_linear_beta }
 }
 
 /// y = down(SiTU(gate x, up x)).
@@ -43,10 +27,10 @@ impl Mlp {
         })
     }
 
-    pub fn forward(&self, x: &[f32], tokens: usize, situ: Situ) -> Vec<f32> {
-        let mut g = self.gate.matmul(x, tokens);
-        let u = self.up.matmul(x, tokens);
-        situ.apply_rows(&mut g, &u);
-        self.down.matmul(&g, tokens)
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], tokens: usize, act: SituParams) -> Vec<f32> {
+        let mut g = self.gate.matmul(be, x, tokens);
+        let u = self.up.matmul(be, x, tokens);
+        be.situ_glu(&mut g, &u, act);
+        self.down.matmul(be, &g, tokens)
     }
 }

@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use kimi_kernels::PagedRows;
+
 use super::config::{MixerKind, TextConfig};
 
 /// Recurrent + convolution state of one KDA layer.
@@ -115,6 +117,24 @@ impl LatentCache {
     pub fn index_key(&self, s: usize) -> &[f32] {
         let at = (s % PAGE_TOKENS) * self.index_dim;
         &self.pages[s / PAGE_TOKENS].keys[at..at + self.index_dim]
+    }
+
+    /// The latent rows through the page table, for the backend's attention.
+    pub fn rows_view(&self) -> PagedRows<'_> {
+        PagedRows {
+            pages: self.pages.iter().map(|p| p.rows.as_slice()).collect(),
+            page_tokens: PAGE_TOKENS,
+            width: self.width,
+        }
+    }
+
+    /// The indexer keys through the page table, for the backend's indexer.
+    pub fn keys_view(&self) -> PagedRows<'_> {
+        PagedRows {
+            pages: self.pages.iter().map(|p| p.keys.as_slice()).collect(),
+            page_tokens: PAGE_TOKENS,
+            width: self.index_dim,
+        }
     }
 
     /// Every row, `[len, width]` (tests and tools).

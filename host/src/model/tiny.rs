@@ -13,8 +13,7 @@ use rand_distr::StandardNormal;
 use safetensors::{Dtype as StDtype, tensor::TensorView};
 use serde_json::{Value, json};
 
-use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
-use kimi_kernels::cpu::mxfp4::quantize_row;
+use kimi_kernels::{f32_to_bf16_bits, mxfp4_quantize_row as quantize_row};
 
 use super::checkpoint::Dtype;
 use super::config::parse_config;

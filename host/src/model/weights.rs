@@ -5,7 +5,7 @@
 //! used by `inspect` to check a shard index without weights). So the name map cannot drift from
 //! the loader.
 
-use kimi_kernels::{Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix};
+use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix};
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
 use super::error::ModelError;
@@ -53,10 +53,10 @@ impl Weight {
         matches!(self.store, WeightStore::Mxfp4 { .. })
     }
 
-    /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`.
-    pub fn matmul(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+    /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`, on `be`.
+    pub fn matmul(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut out = vec![0f32; tokens * self.rows];
-        self.m().matmul(x, tokens, &mut out);
+        be.matmul(&self.m(), x, tokens, &mut out);
         out
     }
 }

@@ -402,7 +402,7 @@ pub async fn serve(state: Shared, listener: tokio::net::TcpListener, grace: Dura
     tracing::info!(
         listen = %format!("http://{addr}"),
         model = %state.model_name,
-        backend = %format!("cpu ({:?}, {} threads)", kimi_kernels::cpu::simd::simd_level(), rayon::current_num_threads()),
+        backend = %engine.backend,
         max_context = state.max_context,
         tenants = %tenants.join("; "),
         "kimi-host serving"

@@ -1,10 +1,24 @@
-//! CPU backend: SIMD inner loops (`simd`), weight formats (`bf16`, `mxfp4`), threaded matrix
-//! products (`gemm`), the SiTU activation (`situ`) and the Kimi Delta Attention core (`kda`).
+//! CPU backend ([`backend::CpuBackend`]): one op per file — matrix products (`gemm`, over the
+//! weight formats in `bf16` and `mxfp4`), `embedding`, norms (`norm`), `elementwise`, `situ`,
+//! `attn_res`, the KDA convolution, core and recurrence (`kda_conv`, `kda`, `kda_recurrence`),
+//! MLA's latent maps and attention (`mla_latent`, `mla_attention`), the K3.1 `indexer`, the MoE
+//! router and grouped experts (`moe`) — on SIMD inner loops (`simd`) and reductions (`reduce`).
 
+pub mod attn_res;
+pub mod backend;
 pub mod bf16;
+pub mod elementwise;
+pub mod embedding;
 pub mod gemm;
+pub mod indexer;
 pub mod kda;
+pub mod kda_conv;
+pub mod kda_recurrence;
+pub mod mla_attention;
+pub mod mla_latent;
+pub mod moe;
 pub mod mxfp4;
+pub mod norm;
 pub mod reduce;
 pub mod simd;
 pub mod situ;
