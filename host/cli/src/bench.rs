@@ -22,6 +22,8 @@ pub struct ForwardBench {
     /// One prompt alone.
     pub prefill_seconds: f64,
     pub prefill_tokens_per_s: f64,
+    /// Share of the prefill's wall time per kind of op.
+    pub prefill_op_shares: BTreeMap<&'static str, f64>,
     /// Decode of the first batch size (batch 1 by default), kept at the top for comparisons.
     pub decode_seconds: f64,
     pub decode_tokens_per_s: f64,
@@ -148,8 +150,12 @@ pub fn bench_forward(
     let c = model.text_config();
     let prompt = prompt(c.vocab_size, prompt_len, 0);
     let mut state = model.new_state();
+    let mut prefill_times = OpTimes::default();
     let t = Instant::now();
-    model.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
+    model.forward_batch_profiled(
+        &mut [SeqInput { ids: &prompt, state: &mut state, logits: LogitsFor::LastToken }],
+        &mut prefill_times,
+    )?;
     let prefill = t.elapsed().as_secs_f64();
     let bw = measure_read_bandwidth(1 << 29);
     let (dense, routed) = weight_bytes(dir)?;
@@ -184,6 +190,7 @@ pub fn bench_forward(
         decode_steps: decode,
         prefill_seconds: prefill,
         prefill_tokens_per_s: prompt.len() as f64 / prefill,
+        prefill_op_shares: prefill_times.shares().into_iter().map(|(k, v)| (k.name(), v)).collect(),
         decode_seconds: first.decode_seconds,
         decode_tokens_per_s: first.decode_tokens_per_s,
         weight_bytes_per_decode_token: per_token,
@@ -217,6 +224,7 @@ impl std::fmt::Display for ForwardBench {
             "prefill {:>6} tokens: {:>10.1} tokens/s ({:.3} s)",
             self.prompt_len, self.prefill_tokens_per_s, self.prefill_seconds
         )?;
+        writeln!(f, "  prefill time shares: {}", shares_text(&self.prefill_op_shares))?;
         writeln!(
             f,
             "decode {} steps after a {}-token prompt, every batch size in this run:",
@@ -237,11 +245,15 @@ impl std::fmt::Display for ForwardBench {
             )?;
         }
         for r in &self.batches {
-            let mut shares: Vec<(&str, f64)> = r.op_shares.iter().map(|(k, v)| (*k, *v)).collect();
-            shares.sort_by(|a, b| b.1.total_cmp(&a.1));
-            let text: Vec<String> = shares.iter().map(|(k, v)| format!("{k} {:.0}%", 100.0 * v)).collect();
-            writeln!(f, "  batch {:>3} time shares: {}", r.batch, text.join(" · "))?;
+            writeln!(f, "  batch {:>3} time shares: {}", r.batch, shares_text(&r.op_shares))?;
         }
         Ok(())
     }
+}
+
+/// `moe 41% · kda 33% · …`, largest first.
+fn shares_text(shares: &BTreeMap<&'static str, f64>) -> String {
+    let mut v: Vec<(&str, f64)> = shares.iter().map(|(k, v)| (*k, *v)).collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v.iter().map(|(k, v)| format!("{k} {:.0}%", 100.0 * v)).collect::<Vec<_>>().join(" · ")
 }

@@ -1,0 +1,549 @@
+//! Every op of the [`Backend`] trait, on every backend, against plain f64 loops written here (as
+//! ggml's `test-backend-ops`). Shapes are odd on purpose (row and column tails, ragged pages,
+//! empty sequences). A device backend joins by adding itself to `backends()`; the CPU backend is
+//! itself checked here, once per SIMD level (`every_simd_level_passes`).
+
+use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
+use kimi_kernels::cpu::mxfp4::quantize_row;
+use kimi_kernels::{
+    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, Matrix, Mxfp4Matrix, PagedRows,
+    RouterParams, SeqSpan, SituParams,
+};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+fn backends() -> Vec<(&'static str, Box<dyn Backend>)> {
+    vec![("cpu", Box::new(CpuBackend))]
+}
+
+fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((*g as f64 - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// A weight in each stored format, with the f32 values it stands for.
+struct Weights {
+    bf16: Vec<u16>,
+    f32: Vec<f32>,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Weights {
+    fn new(rng: &mut StdRng, rows: usize, cols: usize) -> Weights {
+        let f32 = randn(rng, rows * cols);
+        let bf16 = f32.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+        let mut packed = vec![0u8; rows * cols / 2];
+        let mut scales = vec![0u8; rows * cols / 32];
+        if cols.is_multiple_of(32) {
+            for r in 0..rows {
+                quantize_row(
+                    &f32[r * cols..(r + 1) * cols],
+                    &mut packed[r * cols / 2..(r + 1) * cols / 2],
+                    &mut scales[r * cols / 32..(r + 1) * cols / 32],
+                );
+            }
+        }
+        Weights { bf16, f32, packed, scales, rows, cols }
+    }
+
+    /// Every format this shape allows, with its dequantised values.
+    fn formats(&self) -> Vec<(&'static str, Matrix<'_>, Vec<f32>)> {
+        let (rows, cols) = (self.rows, self.cols);
+        let mut v = vec![
+            (
+                "bf16",
+                Matrix::Bf16(Bf16Matrix::new(&self.bf16, rows, cols)),
+                self.bf16.iter().map(|&b| bf16_bits_to_f32(b)).collect(),
+            ),
+            ("f32", Matrix::F32(F32Matrix { data: &self.f32, rows, cols }), self.f32.clone()),
+        ];
+        if cols.is_multiple_of(32) {
+            let m = Mxfp4Matrix::new(&self.packed, &self.scales, rows, cols);
+            v.push(("mxfp4", Matrix::Mxfp4(m), m.to_f32()));
+        }
+        v
+    }
+
+    fn bf16(&self) -> (Matrix<'_>, Vec<f32>) {
+        let m = Matrix::Bf16(Bf16Matrix::new(&self.bf16, self.rows, self.cols));
+        (m, self.bf16.iter().map(|&b| bf16_bits_to_f32(b)).collect())
+    }
+}
+
+fn ref_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> Vec<f64> {
+    let mut out = vec![0f64; tokens * rows];
+    for t in 0..tokens {
+        for r in 0..rows {
+            out[t * rows + r] = (0..cols).map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_and_transposed_match_reference_in_every_format() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for (name, be) in backends() {
+        for &(rows, cols, tokens) in &[(3, 17, 1), (33, 64, 5), (130, 96, 1), (64, 256, 9)] {
+            let w = Weights::new(&mut rng, rows, cols);
+            for (fmt, m, wf) in w.formats() {
+                let x = randn(&mut rng, tokens * cols);
+                let mut out = vec![0f32; tokens * rows];
+                be.matmul(&m, &x, tokens, &mut out);
+                assert_close(&out, &ref_matmul(&wf, rows, cols, &x, tokens), 1e-4, &format!("{name} matmul {fmt}"));
+
+                let xt = randn(&mut rng, tokens * rows);
+                let mut out = vec![0f32; tokens * cols];
+                be.matmul_transposed(&m, &xt, tokens, &mut out);
+                let mut want = vec![0f64; tokens * cols];
+                for t in 0..tokens {
+                    for c in 0..cols {
+                        want[t * cols + c] = (0..rows).map(|r| xt[t * rows + r] as f64 * wf[r * cols + c] as f64).sum();
+                    }
+                }
+                assert_close(&out, &want, 1e-4, &format!("{name} matmul_transposed {fmt}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_norms_and_elementwise_match_reference() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let (tokens, d) = (5, 40);
+    for (name, be) in backends() {
+        let w = Weights::new(&mut rng, 11, 64);
+        for (fmt, m, wf) in w.formats() {
+            let ids = [3u32, 0, 10, 3];
+            let mut out = vec![0f32; ids.len() * 64];
+            be.embedding(&m, &ids, &mut out);
+            let want: Vec<f64> =
+                ids.iter().flat_map(|&i| wf[i as usize * 64..(i as usize + 1) * 64].to_vec()).map(f64::from).collect();
+            assert_close(&out, &want, 0.0, &format!("{name} embedding {fmt}"));
+        }
+
+        let x = randn(&mut rng, tokens * d);
+        let nw = randn(&mut rng, d);
+        let nb = randn(&mut rng, d);
+        let mut out = vec![0f32; tokens * d];
+        be.rms_norm(&x, &nw, 1e-5, &mut out);
+        let mut want = vec![0f64; tokens * d];
+        for t in 0..tokens {
+            let row = &x[t * d..(t + 1) * d];
+            let r = (row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64 + 1e-5).sqrt();
+            for i in 0..d {
+                want[t * d + i] = nw[i] as f64 * row[i] as f64 / r;
+            }
+        }
+        assert_close(&out, &want, 1e-5, &format!("{name} rms_norm"));
+
+        be.layer_norm(&x, &nw, &nb, 1e-6, &mut out);
+        for t in 0..tokens {
+            let row = &x[t * d..(t + 1) * d];
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+            for i in 0..d {
+                want[t * d + i] = (row[i] as f64 - mean) / (var + 1e-6).sqrt() * nw[i] as f64 + nb[i] as f64;
+            }
+        }
+        assert_close(&out, &want, 1e-5, &format!("{name} layer_norm"));
+
+        // Gated norm per head of 8 values.
+        let gate = randn(&mut rng, tokens * d);
+        let hw = randn(&mut rng, 8);
+        be.gated_rms_norm(&x, &gate, &hw, 1e-5, &mut out);
+        for (h, head) in x.chunks(8).enumerate() {
+            let r = (head.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / 8.0 + 1e-5).sqrt();
+            for i in 0..8 {
+                want[h * 8 + i] = hw[i] as f64 * head[i] as f64 / r * sigmoid(gate[h * 8 + i] as f64);
+            }
+        }
+        assert_close(&out, &want, 1e-5, &format!("{name} gated_rms_norm"));
+
+        let mut acc = x.clone();
+        be.add(&mut acc, &gate);
+        let want: Vec<f64> = x.iter().zip(&gate).map(|(a, b)| *a as f64 + *b as f64).collect();
+        assert_close(&acc, &want, 1e-6, &format!("{name} add"));
+
+        let mut acc = x.clone();
+        be.sigmoid_mul(&mut acc, &gate);
+        let want: Vec<f64> = x.iter().zip(&gate).map(|(a, b)| *a as f64 * sigmoid(*b as f64)).collect();
+        assert_close(&acc, &want, 1e-6, &format!("{name} sigmoid_mul"));
+
+        for act in [SituParams { beta: 4.0, linear_beta: Some(25.0) }, SituParams { beta: 1.0, linear_beta: None }] {
+            let a: Vec<f32> = randn(&mut rng, 37).iter().map(|v| v * 12.0).collect();
+            let u: Vec<f32> = randn(&mut rng, 37).iter().map(|v| v * 40.0).collect();
+            let mut g = a.clone();
+            be.situ_glu(&mut g, &u, act);
+            let want: Vec<f64> = a
+                .iter()
+                .zip(&u)
+                .map(|(&a, &u)| {
+                    let (a, u, b) = (a as f64, u as f64, act.beta as f64);
+                    let up = act.linear_beta.map_or(u, |bl| bl as f64 * (u / bl as f64).tanh());
+                    b * (a / b).tanh() * sigmoid(a) * up
+                })
+                .collect();
+            assert_close(&g, &want, 1e-4, &format!("{name} situ_glu {act:?}"));
+        }
+    }
+}
+
+#[test]
+fn attn_res_mix_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (tokens, d) = (4, 24);
+    for (name, be) in backends() {
+        for n in [1usize, 3] {
+            let cands: Vec<Vec<f32>> = (0..n).map(|_| randn(&mut rng, tokens * d)).collect();
+            let refs: Vec<&[f32]> = cands.iter().map(|c| c.as_slice()).collect();
+            let query = randn(&mut rng, d);
+            let mut out = vec![0f32; tokens * d];
+            be.attn_res_mix(&query, 1e-5, &refs, &mut out);
+            let mut want = vec![0f64; tokens * d];
+            for t in 0..tokens {
+                let scores: Vec<f64> = cands
+                    .iter()
+                    .map(|c| {
+                        let row = &c[t * d..(t + 1) * d];
+                        let r = (row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64 + 1e-5).sqrt();
+                        row.iter().zip(&query).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / r
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (s, c) in scores.iter().zip(&cands) {
+                    for i in 0..d {
+                        want[t * d + i] += (s - m).exp() / z * c[t * d + i] as f64;
+                    }
+                }
+            }
+            assert_close(&out, &want, 1e-5, &format!("{name} attn_res_mix n={n}"));
+        }
+    }
+}
+
+/// Spans of three sequences: a prefill chunk, an empty one, a decode token.
+fn spans() -> Vec<SeqSpan> {
+    vec![
+        SeqSpan { start: 0, len: 70, pos: 5 },
+        SeqSpan { start: 70, len: 0, pos: 9 },
+        SeqSpan { start: 70, len: 1, pos: 33 },
+    ]
+}
+
+#[test]
+fn kda_conv_continues_each_sequence_from_its_frames() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (p, kernel) = (12, 4);
+    let spans = spans();
+    let tokens = 71;
+    for (name, be) in backends() {
+        let x = randn(&mut rng, tokens * p);
+        let taps = randn(&mut rng, p * kernel);
+        let frames0: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, (kernel - 1) * p)).collect();
+        let mut frames = frames0.clone();
+        let mut got = x.clone();
+        let mut fr: Vec<&mut [f32]> = frames.iter_mut().map(|f| f.as_mut_slice()).collect();
+        be.kda_conv(&mut got, &spans, &mut fr, &taps, kernel);
+        let mut want = vec![0f64; tokens * p];
+        for (s, span) in spans.iter().enumerate() {
+            // The sequence's input history: its frames, then its new rows.
+            let hist: Vec<f32> =
+                frames0[s].iter().chain(&x[span.start * p..(span.start + span.len) * p]).copied().collect();
+            for i in 0..span.len {
+                for c in 0..p {
+                    let acc: f64 =
+                        (0..kernel).map(|j| taps[c * kernel + j] as f64 * hist[(i + j) * p + c] as f64).sum();
+                    want[(span.start + i) * p + c] = acc * sigmoid(acc);
+                }
+            }
+            let keep = hist.len() - (kernel - 1) * p;
+            assert_eq!(frames[s], hist[keep..].to_vec(), "{name} kda_conv frames of sequence {s}");
+        }
+        assert_close(&got, &want, 1e-5, &format!("{name} kda_conv"));
+    }
+}
+
+#[test]
+fn kda_recurrence_matches_the_token_recurrence_in_f64() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (h, k) = (3, 16);
+    let width = h * k;
+    let spans = spans();
+    let tokens = 71;
+    for (name, be) in backends() {
+        let q = randn(&mut rng, tokens * width);
+        let kk = randn(&mut rng, tokens * width);
+        let v = randn(&mut rng, tokens * width);
+        let z: Vec<f32> = randn(&mut rng, tokens * width).iter().map(|x| 3.0 * x).collect();
+        let beta_logits = randn(&mut rng, tokens * h);
+        let a_exp: Vec<f32> = (0..h).map(|_| rng.random_range(1.0f32..16.0)).collect();
+        let dt_bias = randn(&mut rng, width);
+        let p = KdaParams { heads: h, head_dim: k, a_exp: &a_exp, dt_bias: &dt_bias, lower_bound: -5.0 };
+        let inputs = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
+        let slots0: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, h * k * k)).collect();
+        let mut slots = slots0.clone();
+        let mut out = vec![0f32; tokens * width];
+        let mut sl: Vec<&mut [f32]> = slots.iter_mut().map(|s| s.as_mut_slice()).collect();
+        be.kda_recurrence(&p, &inputs, &spans, &mut sl, &mut out);
+
+        let mut want = vec![0f64; tokens * width];
+        let unit = |x: &[f32], scale: f64| -> Vec<f64> {
+            let n = (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6).sqrt();
+            x.iter().map(|&v| v as f64 / n * scale).collect()
+        };
+        for (s, span) in spans.iter().enumerate() {
+            for hh in 0..h {
+                // S key-major [K, V].
+                let mut st: Vec<f64> = slots0[s][hh * k * k..(hh + 1) * k * k].iter().map(|&x| x as f64).collect();
+                for i in 0..span.len {
+                    let t = span.start + i;
+                    let at = t * width + hh * k;
+                    let qv = unit(&q[at..at + k], 1.0 / (k as f64).sqrt());
+                    let kv = unit(&kk[at..at + k], 1.0);
+                    let b = sigmoid(beta_logits[t * h + hh] as f64);
+                    for c in 0..k {
+                        let g = -5.0 * sigmoid(a_exp[hh] as f64 * (z[at + c] as f64 + dt_bias[hh * k + c] as f64));
+                        st[c * k..(c + 1) * k].iter_mut().for_each(|x| *x *= g.exp());
+                    }
+                    for j in 0..k {
+                        let pred: f64 = (0..k).map(|c| st[c * k + j] * kv[c]).sum();
+                        let err = v[at + j] as f64 - pred;
+                        (0..k).for_each(|c| st[c * k + j] += b * kv[c] * err);
+                    }
+                    for j in 0..k {
+                        want[at + j] = (0..k).map(|c| st[c * k + j] * qv[c]).sum();
+                    }
+                }
+                let got_s = &slots[s][hh * k * k..(hh + 1) * k * k];
+                assert_close(got_s, &st, 1e-4, &format!("{name} kda state seq {s} head {hh}"));
+            }
+        }
+        assert_close(&out, &want, 1e-4, &format!("{name} kda_recurrence"));
+    }
+}
+
+/// Paged rows of `len` tokens with `page_tokens` per page (the last page partly filled).
+fn paged(rng: &mut StdRng, len: usize, page_tokens: usize, width: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let flat = randn(rng, len * width);
+    let pages = flat.chunks(page_tokens * width).map(|c| c.to_vec()).collect();
+    (pages, flat)
+}
+
+#[test]
+fn mla_latent_maps_and_attention_match_reference() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let (heads, nope, rope, v_dim, rank) = (3, 8, 4, 6, 16);
+    let tokens = 4;
+    for (name, be) in backends() {
+        let wkv = Weights::new(&mut rng, heads * (nope + v_dim), rank);
+        let (m, wf) = wkv.bf16();
+        let q = randn(&mut rng, tokens * heads * (nope + rope));
+        let mut q_abs = vec![0f32; tokens * heads * (rank + rope)];
+        be.mla_absorb(&m, heads, nope, v_dim, tokens, &q, &mut q_abs);
+        let mut want = vec![0f64; q_abs.len()];
+        for t in 0..tokens {
+            for hh in 0..heads {
+                let qh = &q[(t * heads + hh) * (nope + rope)..(t * heads + hh + 1) * (nope + rope)];
+                let o = (t * heads + hh) * (rank + rope);
+                for c in 0..rank {
+                    want[o + c] =
+                        (0..nope).map(|r| qh[r] as f64 * wf[(hh * (nope + v_dim) + r) * rank + c] as f64).sum();
+                }
+                for j in 0..rope {
+                    want[o + rank + j] = qh[nope + j] as f64;
+                }
+            }
+        }
+        assert_close(&q_abs, &want, 1e-5, &format!("{name} mla_absorb"));
+
+        let ctx = randn(&mut rng, tokens * heads * rank);
+        let mut out = vec![0f32; tokens * heads * v_dim];
+        be.mla_lift(&m, heads, nope, v_dim, tokens, &ctx, &mut out);
+        let mut want = vec![0f64; out.len()];
+        for t in 0..tokens {
+            for hh in 0..heads {
+                for j in 0..v_dim {
+                    let row = (hh * (nope + v_dim) + nope + j) * rank;
+                    want[(t * heads + hh) * v_dim + j] =
+                        (0..rank).map(|c| ctx[(t * heads + hh) * rank + c] as f64 * wf[row + c] as f64).sum();
+                }
+            }
+        }
+        assert_close(&out, &want, 1e-5, &format!("{name} mla_lift"));
+
+        // Two sequences of 11 and 5 cached rows, pages of 4; rows: (seq, pos).
+        let width = rank + rope;
+        let (pa, fa) = paged(&mut rng, 11, 4, width);
+        let (pb, fb) = paged(&mut rng, 5, 4, width);
+        let flats = [fa, fb];
+        let caches = [
+            PagedRows { pages: pa.iter().map(|p| p.as_slice()).collect(), page_tokens: 4, width },
+            PagedRows { pages: pb.iter().map(|p| p.as_slice()).collect(), page_tokens: 4, width },
+        ];
+        let rows = [(0usize, 9usize), (0, 10), (1, 0), (1, 4)];
+        let sel: Vec<kimi_kernels::Selection> = [vec![2usize, 5, 9], vec![0, 10], vec![0], vec![1, 3, 4]]
+            .into_iter()
+            .map(|tokens| kimi_kernels::Selection { tokens, ..Default::default() })
+            .collect();
+        for selected in [None, Some(sel.as_slice())] {
+            let mut ctx = vec![0f32; tokens * heads * rank];
+            be.mla_attention(&q_abs, heads, rank, 0.3, &rows, &caches, selected, &mut ctx);
+            let mut want = vec![0f64; ctx.len()];
+            for (t, &(seq, pos)) in rows.iter().enumerate() {
+                let cand: Vec<usize> = selected.map_or((0..=pos).collect(), |s| s[t].tokens.clone());
+                for hh in 0..heads {
+                    let qh = &q_abs[(t * heads + hh) * width..(t * heads + hh + 1) * width];
+                    let row = |s: usize| &flats[seq][s * width..(s + 1) * width];
+                    let sc: Vec<f64> = cand
+                        .iter()
+                        .map(|&s| 0.3 * qh.iter().zip(row(s)).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>())
+                        .collect();
+                    let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                    for (&s, x) in cand.iter().zip(&sc) {
+                        for c in 0..rank {
+                            want[(t * heads + hh) * rank + c] += (x - m).exp() / z * row(s)[c] as f64;
+                        }
+                    }
+                }
+            }
+            assert_close(&ctx, &want, 1e-5, &format!("{name} mla_attention selected={}", selected.is_some()));
+        }
+    }
+}
+
+#[test]
+fn indexer_topk_scores_and_selects_like_the_reference() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (heads, d, topk) = (2, 8, 4);
+    for (name, be) in backends() {
+        let (pa, fa) = paged(&mut rng, 13, 4, d);
+        let keys = [PagedRows { pages: pa.iter().map(|p| p.as_slice()).collect(), page_tokens: 4, width: d }];
+        let rows = [(0usize, 2usize), (0, 12)];
+        let q = randn(&mut rng, rows.len() * heads * d);
+        let w = randn(&mut rng, rows.len() * heads);
+        let sel = be.indexer_topk(&q, &w, heads, 0.25, topk, &rows, &keys);
+        for (t, &(_, pos)) in rows.iter().enumerate() {
+            let scores: Vec<f64> = (0..=pos)
+                .map(|s| {
+                    (0..heads)
+                        .map(|j| {
+                            let dot: f64 =
+                                (0..d).map(|c| q[(t * heads + j) * d + c] as f64 * fa[s * d + c] as f64).sum();
+                            w[t * heads + j] as f64 * 0.25 * dot.max(0.0)
+                        })
+                        .sum()
+                })
+                .collect();
+            assert_close(&sel[t].scores, &scores, 1e-5, &format!("{name} indexer scores row {t}"));
+            let mut order: Vec<usize> = (0..=pos).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            order.truncate(topk.min(pos + 1));
+            order.sort_unstable();
+            assert_eq!(sel[t].tokens, order, "{name} indexer selection row {t}");
+            assert_eq!(sel[t].margin.is_nan(), pos + 1 <= topk, "{name} indexer margin row {t}");
+        }
+    }
+}
+
+#[test]
+fn moe_route_and_grouped_experts_match_reference() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let (e, top_k, lat, inter, tokens) = (6, 2, 32, 16, 5);
+    for (name, be) in backends() {
+        let logits: Vec<f32> = randn(&mut rng, tokens * e).iter().map(|x| 4.0 * x).collect();
+        let bias: Vec<f32> = randn(&mut rng, e).iter().map(|x| 0.1 * x).collect();
+        let p = RouterParams { bias: &bias, top_k, renormalize: true, scaling: 2.5 };
+        let routing = be.moe_route(&logits, tokens, &p);
+        for t in 0..tokens {
+            let s: Vec<f64> = logits[t * e..(t + 1) * e].iter().map(|&x| sigmoid(x as f64)).collect();
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| (s[b] + bias[b] as f64).total_cmp(&(s[a] + bias[a] as f64)).then(a.cmp(&b)));
+            assert_eq!(&routing.ids[t * top_k..(t + 1) * top_k], &order[..top_k], "{name} route ids token {t}");
+            let sum: f64 = order[..top_k].iter().map(|&i| s[i]).sum();
+            let want: Vec<f64> = order[..top_k].iter().map(|&i| s[i] / sum * 2.5).collect();
+            assert_close(&routing.weights[t * top_k..(t + 1) * top_k], &want, 1e-5, &format!("{name} route weights"));
+        }
+
+        let ws: Vec<[Weights; 3]> = (0..e)
+            .map(|_| {
+                [
+                    Weights::new(&mut rng, inter, lat),
+                    Weights::new(&mut rng, lat, inter),
+                    Weights::new(&mut rng, inter, lat),
+                ]
+            })
+            .collect();
+        // MXFP4 experts, as the release ships them (w2's 16 columns are too few for MXFP4 blocks: BF16).
+        let mats: Vec<(ExpertMatrices<'_>, [Vec<f32>; 3])> = ws
+            .iter()
+            .map(|[w1, w2, w3]| {
+                let (f1, f3) = (w1.formats().pop().unwrap(), w3.formats().pop().unwrap());
+                let f2 = w2.bf16();
+                (ExpertMatrices { w1: f1.1, w2: f2.0, w3: f3.1 }, [f1.2, f2.1, f3.2])
+            })
+            .collect();
+        let experts: Vec<ExpertMatrices<'_>> = mats.iter().map(|m| m.0).collect();
+        let act = SituParams { beta: 4.0, linear_beta: Some(25.0) };
+        let zin = randn(&mut rng, tokens * lat);
+        let mut out = vec![0f32; tokens * lat];
+        be.moe_experts(&experts, &routing, &zin, act, &mut out);
+        let mut want = vec![0f64; tokens * lat];
+        for t in 0..tokens {
+            for j in 0..top_k {
+                let (ex, wt) = (routing.ids[t * top_k + j], routing.weights[t * top_k + j] as f64);
+                let [w1, w2, w3] = &mats[ex].1;
+                let x = &zin[t * lat..(t + 1) * lat];
+                let a = ref_matmul(w1, inter, lat, x, 1);
+                let u = ref_matmul(w3, inter, lat, x, 1);
+                let g: Vec<f32> = a
+                    .iter()
+                    .zip(&u)
+                    .map(|(&a, &u)| (4.0 * (a / 4.0).tanh() * sigmoid(a) * 25.0 * (u / 25.0).tanh()) as f32)
+                    .collect();
+                let y = ref_matmul(w2, lat, inter, &g, 1);
+                for c in 0..lat {
+                    want[t * lat + c] += wt * y[c];
+                }
+            }
+        }
+        assert_close(&out, &want, 1e-4, &format!("{name} moe_experts"));
+    }
+}
+
+/// Re-runs this binary with each lower SIMD level forced (`KIMI_SIMD`).
+#[test]
+fn every_simd_level_passes() {
+    if std::env::var_os("KIMI_SIMD").is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    for level in ["avx2", "scalar"] {
+        let out = std::process::Command::new(&exe)
+            .env("KIMI_SIMD", level)
+            .args(["--skip", "every_simd_level_passes", "--test-threads", "2"])
+            .output()
+            .expect("re-run the backend op tests");
+        assert!(
+            out.status.success(),
+            "backend op tests fail with KIMI_SIMD={level}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
