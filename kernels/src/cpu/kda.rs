@@ -7,6 +7,9 @@ use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, simd_level};
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
 
+/// Tokens per sub-chunk: decay factors inside one are exact per pair, across ones factored.
+const SUB_CHUNK: usize = 16;
+
 /// One recurrent step: decay, error against the decayed state, delta-rule write, read.
 /// `q` is already L2-normalised and scaled, `k` L2-normalised, `g` the per-key log decay.
 pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, out: &mut [f32]) {
@@ -49,12 +52,17 @@ pub struct ChunkScratch {
     delta: Vec<f32>,
     tmp: Vec<f32>,
     coef: Vec<f32>,
+    /// Sub-chunk factoring: q_i, k_i scaled by e^{Γ_i − Γ_R}, and k_j by e^{Γ_R − Γ_j}.
+    qs: Vec<f32>,
+    ks: Vec<f32>,
+    kr: Vec<f32>,
 }
 
 /// Processes `n ≤ CHUNK` tokens of one head in the WY/UT form and advances `state`.
 /// Layouts: `q`, `k`, `g` `[n, K]`; `v`, `out` `[n, V]`; `beta` `[n]`.
-/// Decay factors only ever appear as e^{Γ_i − Γ_j} with i ≥ j (never e^{Γ_i}·e^{−Γ_j}), so
-/// nothing overflows however strong the decay.
+/// Decay factors only ever appear as e^{Γ_i − Γ_j} with i ≥ j, or (across sub-chunks, when
+/// every g ≤ 0) as two factors of that form each ≤ 1, so nothing overflows however strong the
+/// decay.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunk(
     state: &mut [f32],
@@ -78,23 +86,56 @@ pub fn kda_chunk(
             s.gamma[i * dk + c] = prev + g[i * dk + c];
         }
     }
-    let gam = &s.gamma;
     // A_kk (strictly lower, includes β_i) and A_qk (lower incl. diagonal).
     s.akk.clear();
     s.akk.resize(n * n, 0.0);
     s.aqk.clear();
     s.aqk.resize(n * n, 0.0);
-    for i in 0..n {
-        let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
-        for j in 0..=i {
+    // With every g ≤ 0 (KDA's gates are lower_bound · σ(·), lower_bound < 0), pairs across
+    // sub-chunks factor through the cumulative decay just before i's sub-chunk, Γ_R:
+    // e^{Γ_i − Γ_j} = e^{Γ_i − Γ_R} · e^{Γ_R − Γ_j}, both factors ≤ 1 (no overflow), so those
+    // pairs are plain dot products of pre-scaled rows and only pairs inside a sub-chunk need
+    // their own exponentials (as fla's sub-chunked kernels).
+    let factor = g[..n * dk].iter().all(|&x| x <= 0.0);
+    for b0 in (0..n).step_by(SUB_CHUNK) {
+        let b1 = (b0 + SUB_CHUNK).min(n);
+        let exact_from = if factor { b0 } else { 0 };
+        let gam = &s.gamma;
+        for i in b0..b1 {
+            let (qi, ki, gi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk]);
+            for j in exact_from..=i {
+                let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
+                let (sq, sk) = decayed_dots(qi, ki, kj, gi, gj);
+                s.aqk[i * n + j] = sq;
+                if j < i {
+                    s.akk[i * n + j] = beta[i] * sk;
+                }
+            }
+        }
+        if exact_from == 0 {
+            continue;
+        }
+        let gr = &gam[(b0 - 1) * dk..b0 * dk];
+        s.kr.clear();
+        for j in 0..b0 {
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
-            let (sq, sk) = decayed_dots(qi, ki, kj, gi, gj);
-            s.aqk[i * n + j] = sq;
-            if j < i {
-                s.akk[i * n + j] = beta[i] * sk;
+            s.kr.extend((0..dk).map(|c| kj[c] * (gr[c] - gj[c]).exp()));
+        }
+        for i in b0..b1 {
+            let gi = &gam[i * dk..(i + 1) * dk];
+            s.qs.clear();
+            s.qs.extend((0..dk).map(|c| (gi[c] - gr[c]).exp()));
+            s.ks.clear();
+            s.ks.extend(s.qs.iter().zip(&k[i * dk..(i + 1) * dk]).map(|(e, k)| e * k));
+            s.qs.iter_mut().zip(&q[i * dk..(i + 1) * dk]).for_each(|(e, q)| *e *= q);
+            for j in 0..b0 {
+                let kr = &s.kr[j * dk..(j + 1) * dk];
+                s.aqk[i * n + j] = dot(&s.qs, kr);
+                s.akk[i * n + j] = beta[i] * dot(&s.ks, kr);
             }
         }
     }
+    let gam = &s.gamma;
     // Δ = (I + A_kk)⁻¹ diag(β) (v − (e^Γ ⊙ k) S₀) by forward substitution, row by row.
     s.delta.clear();
     s.delta.resize(n * dv, 0.0);

@@ -1,6 +1,8 @@
 //! Row norms: RMSNorm, LayerNorm, the per-head gated RMSNorm of KDA's output, and the helpers
 //! other CPU ops share (`inv_rms`, `l2_normalize`).
 
+use rayon::prelude::*;
+
 /// `1 / sqrt(mean(x²) + eps)`.
 pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
@@ -13,16 +15,19 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     x.iter_mut().for_each(|v| *v *= r);
 }
 
+/// Rows per rayon task: a decode step's few rows stay on the calling thread.
+const ROWS_PER_TASK: usize = 16;
+
 /// `out = w · x / rms(x)` per row of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     assert_eq!(x.len(), out.len(), "rms_norm: x and out differ in length");
-    for (o, row) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+    out.par_chunks_exact_mut(d).zip(x.par_chunks_exact(d)).with_min_len(ROWS_PER_TASK).for_each(|(o, row)| {
         let r = inv_rms(row, eps);
         for ((o, v), w) in o.iter_mut().zip(row).zip(w) {
             *o = w * (v * r);
         }
-    }
+    });
 }
 
 /// `out = (x − mean) / std · w + b` per row of `w.len()` values.
