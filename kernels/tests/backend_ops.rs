@@ -97,7 +97,9 @@ fn ref_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> 
 fn matmul_and_transposed_match_reference_in_every_format() {
     let mut rng = StdRng::seed_from_u64(1);
     for (name, be) in backends() {
-        for &(rows, cols, tokens) in &[(3, 17, 1), (33, 64, 5), (130, 96, 1), (64, 256, 9)] {
+        for &(rows, cols, tokens) in
+            &[(3, 17, 1), (33, 64, 5), (130, 96, 1), (64, 256, 9), (50, 64, 17), (40, 96, 70), (7, 33, 40)]
+        {
             let w = Weights::new(&mut rng, rows, cols);
             for (fmt, m, wf) in w.formats() {
                 let x = randn(&mut rng, tokens * cols);
@@ -115,6 +117,37 @@ fn matmul_and_transposed_match_reference_in_every_format() {
                     }
                 }
                 assert_close(&out, &want, 1e-4, &format!("{name} matmul_transposed {fmt}"));
+            }
+        }
+    }
+}
+
+/// A token's product is the same whatever else shares the call: the forward's batch invariance
+/// (1e-5 on logits through every layer) rests on it. On AVX-512 and the scalar path every route
+/// (one token, tiles of four) sums the same 16 column-interleaved lanes in the same order, so the
+/// bits agree; the AVX2 one-token BF16 route reduces differently (≤ 1e-6 relative). A kernel that
+/// sums in another order (e.g. columns sequentially, tokens along the vector) drifts ~1e-6 per
+/// product, which the layers amplify past 1e-5: tried, and refused by the forward's test.
+#[test]
+fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let exact = kimi_kernels::simd_level() != kimi_kernels::SimdLevel::Avx2;
+    for (name, be) in backends() {
+        let (rows, cols) = (37, 96);
+        let w = Weights::new(&mut rng, rows, cols);
+        for (fmt, m, _) in w.formats() {
+            for tokens in [2usize, 5, 8, 17, 70] {
+                let x = randn(&mut rng, tokens * cols);
+                let mut all = vec![0f32; tokens * rows];
+                be.matmul(&m, &x, tokens, &mut all);
+                for t in 0..tokens {
+                    let mut one = vec![0f32; rows];
+                    be.matmul(&m, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                    for (a, b) in all[t * rows..(t + 1) * rows].iter().zip(&one) {
+                        let tol = if exact { 0.0 } else { 1e-6 * (1.0 + b.abs()) };
+                        assert!((a - b).abs() <= tol, "{name} {fmt}: token {t} of {tokens}: {a} vs {b}");
+                    }
+                }
             }
         }
     }
