@@ -181,6 +181,8 @@ pub struct EngineStats {
     pub running_requests: AtomicUsize,
     pub running_seqs: AtomicUsize,
     pub used_slots: AtomicUsize,
+    /// KDA slots actually leased from the engine's arena (`used_slots` is what the pool reserved).
+    pub leased_slots: AtomicUsize,
     pub used_pages: AtomicUsize,
     pub used_bytes: AtomicUsize,
     pub total_slots: AtomicUsize,

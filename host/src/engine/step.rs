@@ -17,7 +17,7 @@ use super::{
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
-use crate::model::{LogitsFor, Model, SeqInput, SequenceState};
+use crate::model::{LogitsFor, Model, SeqInput, SequenceState, SlotArena};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
@@ -80,11 +80,14 @@ pub(super) struct Worker {
     waiting: VecDeque<Box<Pending>>,
     running: Vec<Running>,
     draining: Option<Instant>,
+    /// KDA state slots, one per pool slot, allocated at start-up.
+    slots: Arc<SlotArena>,
 }
 
 impl Worker {
     pub(super) fn new(model: Arc<Model>, config: EngineConfig, pool: StatePool, stats: Arc<EngineStats>) -> Worker {
-        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None }
+        let slots = model.slot_arena(pool.total_slots);
+        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None, slots }
     }
 
     pub(super) fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -179,6 +182,7 @@ impl Worker {
         let s = &self.stats;
         let used = self.pool.used();
         s.used_slots.store(used.slots, Ordering::Relaxed);
+        s.leased_slots.store(self.slots.in_use(), Ordering::Relaxed);
         s.used_pages.store(used.pages, Ordering::Relaxed);
         s.used_bytes.store(self.pool.used_bytes(), Ordering::Relaxed);
         s.running_requests.store(self.running.len(), Ordering::Relaxed);
@@ -280,19 +284,27 @@ impl Worker {
                 }
             }
         }
+        // Sequence 0's state (prefilled; the others fork it afterwards), from the engine's arena.
+        let mut first = match self.model.new_state_in(&self.slots) {
+            Ok(mut st) => {
+                st.reserve_tokens(req.prompt.len() + req.max_tokens);
+                Some(st)
+            }
+            Err(e) => {
+                let mut sampler = req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
+                for h in handles {
+                    sampler.close(h);
+                }
+                return Err((tx, EngineError::Fault(format!("state slot: {e}"))));
+            }
+        };
         let seqs = handles
             .into_iter()
             .enumerate()
             .map(|(i, h)| Seq {
                 index: i,
                 // Only sequence 0 is prefilled; the others copy its state afterwards.
-                state: if i == 0 {
-                    let mut st = self.model.new_state();
-                    st.reserve_tokens(req.prompt.len() + req.max_tokens);
-                    st
-                } else {
-                    SequenceState { layers: Vec::new(), len: 0 }
-                },
+                state: if i == 0 { first.take().unwrap_or_else(SequenceState::empty) } else { SequenceState::empty() },
                 sampler_seq: Some(h),
                 matcher: req.constraint.clone(),
                 generated: 0,
@@ -401,10 +413,19 @@ impl Worker {
                             let r = &mut self.running[entry.run];
                             r.prefilled += entry.tokens;
                             if !r.in_prefill() {
-                                let base = r.seqs[0].state.clone();
+                                // Forks take a KDA slot each (the pool reserved them at admission)
+                                // and share the prompt's pages.
                                 let total = r.req.prompt.len() + r.req.max_tokens;
-                                for s in r.seqs.iter_mut().skip(1) {
-                                    s.state = base.clone();
+                                let (first, rest) = r.seqs.split_at_mut(1);
+                                for s in rest {
+                                    match first[0].state.fork() {
+                                        Ok(st) => s.state = st,
+                                        Err(e) => failures.push((
+                                            entry.run,
+                                            Some(s.index),
+                                            EngineError::Fault(format!("fork: {e}")),
+                                        )),
+                                    }
                                     s.state.reserve_tokens(total);
                                 }
                                 for s in &r.seqs {

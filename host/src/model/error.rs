@@ -33,6 +33,8 @@ pub enum ModelError {
     TraceNeedsOneSequence { sequences: usize },
     #[error("layer {layer}: the sequence state was built for another model")]
     StateMismatch { layer: usize },
+    #[error("all {capacity} KDA state slots are in use")]
+    StateSlotsFull { capacity: usize },
 }
 
 impl ModelError {

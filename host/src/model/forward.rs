@@ -17,7 +17,8 @@ use super::mlp::{Mlp, situ_params};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
 use super::profile::{Laps, OpKind, OpTimes};
-use super::state::{KdaState, LatentCache, LayerState, SequenceState};
+use super::slots::SlotArena;
+use super::state::{KdaStateMut, LatentCache, LayerState, SequenceState, kda_slot_floats};
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
 
@@ -56,6 +57,8 @@ pub struct Model {
     situ: SituParams,
     /// Where every op runs; model code reaches kernels only through it.
     backend: Arc<dyn Backend>,
+    /// KDA slots for states made by `new_state` (the engine brings its own fixed arena).
+    slots: Arc<SlotArena>,
     /// Keeps the memory maps alive for the weights' lifetime.
     _checkpoint: Option<Checkpoint>,
 }
@@ -112,7 +115,8 @@ impl Model {
         let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
         let situ = situ_params(c);
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, _checkpoint: None })
+        let slots = SlotArena::growable(kda_slot_floats(c));
+        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, slots, _checkpoint: None })
     }
 
     /// Runs every op on `backend` from now on (the default is [`CpuBackend`]).
@@ -130,8 +134,20 @@ impl Model {
         &self.config.text
     }
 
+    /// A fresh state with its KDA slot from the model's own growable arena (tools, tests).
     pub fn new_state(&self) -> SequenceState {
-        SequenceState::new(&self.config.text)
+        // A growable arena adds a chunk instead of refusing, so this cannot fail.
+        SequenceState::new_in(&self.config.text, &self.slots).expect("a growable slot arena always has room")
+    }
+
+    /// A fresh state with its KDA slot from `arena` (the engine's, fixed at start-up).
+    pub fn new_state_in(&self, arena: &Arc<SlotArena>) -> Result<SequenceState, ModelError> {
+        SequenceState::new_in(&self.config.text, arena)
+    }
+
+    /// A fixed arena of `capacity` KDA slots for this model, allocated now.
+    pub fn slot_arena(&self, capacity: usize) -> Arc<SlotArena> {
+        SlotArena::fixed(kda_slot_floats(&self.config.text), capacity)
     }
 
     /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,
@@ -247,12 +263,9 @@ impl Model {
             laps.lap(OpKind::Norm);
             let u = match &layer.mixer {
                 Mixer::Kda(k) => {
-                    let mut states: Vec<&mut KdaState> = seqs
+                    let mut states: Vec<KdaStateMut<'_>> = seqs
                         .iter_mut()
-                        .map(|s| match s.state.layers.get_mut(i) {
-                            Some(LayerState::Kda(st)) => Ok(st),
-                            _ => Err(ModelError::StateMismatch { layer: i }),
-                        })
+                        .map(|s| s.state.kda_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
                     k.forward(be, &x, &layout.spans, &mut states)
                 }

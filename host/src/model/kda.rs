@@ -6,7 +6,7 @@ use kimi_kernels::{Backend, KdaInputs, KdaParams, SeqSpan};
 
 use super::config::TextConfig;
 use super::error::ModelError;
-use super::state::KdaState;
+use super::state::KdaStateMut;
 use super::weights::{TensorSource, Weight};
 
 /// The output-gate projection: full rank (K3) or low rank `g_b(g_a x)`.
@@ -87,7 +87,7 @@ impl KdaLayer {
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
     /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
     /// convolution and the delta-rule core run per sequence, reading that sequence's state.
-    pub fn forward(&self, be: &dyn Backend, x: &[f32], spans: &[SeqSpan], states: &mut [&mut KdaState]) -> Vec<f32> {
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], spans: &[SeqSpan], states: &mut [KdaStateMut<'_>]) -> Vec<f32> {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
         let tokens: usize = spans.iter().map(|s| s.len).sum();
@@ -112,7 +112,7 @@ impl KdaLayer {
             lower_bound: self.lower_bound,
         };
         let inputs = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
-        let mut slots: Vec<&mut [f32]> = states.iter_mut().map(|s| s.recurrent.as_mut_slice()).collect();
+        let mut slots: Vec<&mut [f32]> = states.iter_mut().map(|s| &mut *s.recurrent).collect();
         let mut o = vec![0f32; tokens * p];
         be.kda_recurrence(&params, &inputs, spans, &mut slots, &mut o);
         // Sigmoid-gated RMSNorm per head, then o_proj.

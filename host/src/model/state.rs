@@ -1,7 +1,8 @@
 //! Per-sequence inference state: what a request carries between forward calls.
 //!
-//! KDA layers keep a fixed-size recurrent state and a short-convolution window; MLA layers keep
-//! one latent row per token (and, for K3.1, one indexer key per token). Nothing else persists:
+//! KDA layers keep a fixed-size recurrent state and a short-convolution window, all of a
+//! sequence's in one slot of a preallocated arena (`slots`); MLA layers keep one latent row per
+//! token (and, for K3.1, one indexer key per token) in fixed-size pages. Nothing else persists:
 //! the AttnRes blocks are rebuilt in every call.
 
 use std::sync::Arc;
@@ -9,43 +10,60 @@ use std::sync::Arc;
 use kimi_kernels::PagedRows;
 
 use super::config::{MixerKind, TextConfig};
+use super::error::ModelError;
+use super::slots::{Slot, SlotArena};
 
-/// Recurrent + convolution state of one KDA layer.
-#[derive(Clone, Debug)]
-pub struct KdaState {
-    /// S per head, key-major `[H, K, V]` (the math layout; fla stores the transpose).
-    pub recurrent: Vec<f32>,
-    /// The last `W − 1` pre-convolution inputs of q, k and v: `[3][W − 1][P]`, oldest frame first.
-    pub conv: Vec<f32>,
+/// Where one KDA layer's state lies in its sequence's slot: the recurrent matrices `[H, K, V]`
+/// (key-major, the math layout; fla stores the transpose), then the last `W − 1`
+/// pre-convolution inputs of q, k and v, `[3][W − 1][P]`, oldest frame first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KdaLayout {
+    offset: usize,
+    recurrent: usize,
     pub frames: usize,
     pub channels: usize,
 }
 
-impl KdaState {
-    pub fn new(c: &TextConfig) -> KdaState {
-        let p = c.kda_projection_dim();
-        let frames = c.kda.conv_kernel - 1;
-        KdaState {
-            recurrent: vec![0.0; c.kda.num_heads * c.kda.head_dim * c.kda.head_dim],
-            conv: vec![0.0; 3 * frames * p],
-            frames,
-            channels: p,
-        }
+impl KdaLayout {
+    fn conv(&self) -> usize {
+        3 * self.frames * self.channels
     }
 
+    fn floats(&self) -> usize {
+        self.recurrent + self.conv()
+    }
+}
+
+/// One KDA layer's state, read through its slot.
+#[derive(Debug)]
+pub struct KdaState<'a> {
+    pub recurrent: &'a [f32],
+    conv: &'a [f32],
+    pub frames: usize,
+    pub channels: usize,
+}
+
+impl KdaState<'_> {
     /// Frames of one branch (0 = q, 1 = k, 2 = v), `[W − 1][P]`.
     pub fn conv_frames(&self, branch: usize) -> &[f32] {
         let n = self.frames * self.channels;
         &self.conv[branch * n..(branch + 1) * n]
     }
+}
 
+/// One KDA layer's state, written through its slot.
+#[derive(Debug)]
+pub struct KdaStateMut<'a> {
+    pub recurrent: &'a mut [f32],
+    conv: &'a mut [f32],
+    pub frames: usize,
+    pub channels: usize,
+}
+
+impl KdaStateMut<'_> {
     pub fn conv_frames_mut(&mut self, branch: usize) -> &mut [f32] {
         let n = self.frames * self.channels;
         &mut self.conv[branch * n..(branch + 1) * n]
-    }
-
-    pub fn bytes(&self) -> usize {
-        4 * (self.recurrent.len() + self.conv.len())
     }
 }
 
@@ -165,29 +183,70 @@ impl LatentCache {
 
 #[derive(Clone, Debug)]
 pub enum LayerState {
-    Kda(KdaState),
+    Kda(KdaLayout),
     Mla(LatentCache),
 }
 
-/// Everything one sequence carries between calls.
-#[derive(Clone, Debug)]
+/// Values of one sequence's KDA slot for this model (every KDA layer's state).
+pub fn kda_slot_floats(c: &TextConfig) -> usize {
+    let per_layer = c.kda.num_heads * c.kda.head_dim * c.kda.head_dim
+        + 3 * c.kda.conv_kernel.saturating_sub(1) * c.kda_projection_dim();
+    per_layer * c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Kda)).count()
+}
+
+/// Everything one sequence carries between calls: a KDA slot leased from a [`SlotArena`]
+/// (every KDA layer's state) and each MLA layer's paged latent cache.
+#[derive(Debug)]
 pub struct SequenceState {
+    slot: Option<Slot>,
     pub layers: Vec<LayerState>,
     /// Tokens consumed so far.
     pub len: usize,
 }
 
 impl SequenceState {
-    pub fn new(c: &TextConfig) -> SequenceState {
+    /// A fresh state whose KDA slot comes from `arena`; a full fixed arena is an error.
+    pub fn new_in(c: &TextConfig, arena: &Arc<SlotArena>) -> Result<SequenceState, ModelError> {
+        let need = kda_slot_floats(c);
+        if arena.slot_floats() != need {
+            return Err(ModelError::StateMismatch { layer: 0 });
+        }
+        let slot = if need > 0 { Some(arena.acquire()?) } else { None };
+        let (h, k) = (c.kda.num_heads, c.kda.head_dim);
+        let mut offset = 0;
         let layers = c
             .layer_kinds
             .iter()
-            .map(|k| match k {
-                MixerKind::Kda => LayerState::Kda(KdaState::new(c)),
+            .map(|kind| match kind {
+                MixerKind::Kda => {
+                    let l = KdaLayout {
+                        offset,
+                        recurrent: h * k * k,
+                        frames: c.kda.conv_kernel.saturating_sub(1),
+                        channels: c.kda_projection_dim(),
+                    };
+                    offset += l.floats();
+                    LayerState::Kda(l)
+                }
                 MixerKind::Mla => LayerState::Mla(LatentCache::new(c)),
             })
             .collect();
-        SequenceState { layers, len: 0 }
+        Ok(SequenceState { slot, layers, len: 0 })
+    }
+
+    /// A state with no layers and no slot: a place to hold until a fork fills it.
+    pub fn empty() -> SequenceState {
+        SequenceState { slot: None, layers: Vec::new(), len: 0 }
+    }
+
+    /// A copy for another sequence (`n > 1`): a new KDA slot from the same arena with this one's
+    /// values, and every latent page shared by reference (copied only when written).
+    pub fn fork(&self) -> Result<SequenceState, ModelError> {
+        let slot = match &self.slot {
+            Some(s) => Some(s.try_clone()?),
+            None => None,
+        };
+        Ok(SequenceState { slot, layers: self.layers.clone(), len: self.len })
     }
 
     /// Sizes every page table for `tokens` tokens up front (pages themselves are fixed-size and
@@ -200,11 +259,24 @@ impl SequenceState {
         }
     }
 
-    pub fn kda(&self, layer: usize) -> Option<&KdaState> {
-        match self.layers.get(layer) {
-            Some(LayerState::Kda(s)) => Some(s),
-            _ => None,
-        }
+    /// The slot this state's KDA layers live in (its index is the slot-table entry).
+    pub fn slot(&self) -> Option<&Slot> {
+        self.slot.as_ref()
+    }
+
+    pub fn kda(&self, layer: usize) -> Option<KdaState<'_>> {
+        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers.get(layer), &self.slot) else { return None };
+        let floats = slot.floats().get(l.offset..l.offset + l.floats())?;
+        let (recurrent, conv) = floats.split_at(l.recurrent);
+        Some(KdaState { recurrent, conv, frames: l.frames, channels: l.channels })
+    }
+
+    pub fn kda_mut(&mut self, layer: usize) -> Option<KdaStateMut<'_>> {
+        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers.get(layer), &mut self.slot) else { return None };
+        let l = *l;
+        let floats = slot.floats_mut().get_mut(l.offset..l.offset + l.floats())?;
+        let (recurrent, conv) = floats.split_at_mut(l.recurrent);
+        Some(KdaStateMut { recurrent, conv, frames: l.frames, channels: l.channels })
     }
 
     pub fn mla(&self, layer: usize) -> Option<&LatentCache> {

@@ -90,7 +90,10 @@ fn prompts() -> Vec<Vec<u32>> {
 fn wait_idle(e: &Engine) {
     use std::sync::atomic::Ordering::Relaxed;
     for _ in 0..500 {
-        if e.stats.used_slots.load(Relaxed) == 0 && e.stats.running_requests.load(Relaxed) == 0 {
+        if e.stats.used_slots.load(Relaxed) == 0
+            && e.stats.leased_slots.load(Relaxed) == 0
+            && e.stats.running_requests.load(Relaxed) == 0
+        {
             return;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -156,7 +159,8 @@ fn cancelled_and_dropped_requests_free_their_state() {
 }
 
 /// `n = 4` forks share the prompt's latent pages: the pool holds the prompt's full pages once,
-/// not four times, while the request runs; cancelling gives every page back.
+/// not four times, while the request runs, and each fork leases its own KDA slot; cancelling
+/// gives every page and slot back.
 #[test]
 fn forks_share_the_prompt_pages() {
     use std::sync::atomic::Ordering::Relaxed;
@@ -180,9 +184,19 @@ fn forks_share_the_prompt_pages() {
     let own = (prompt.len() + max_tokens).div_ceil(P) - prompt_pages;
     assert_eq!(used, prompt_pages + 4 * own, "the prompt's {prompt_pages} pages are held once");
     assert!(used < 4 * (prompt.len() + max_tokens).div_ceil(P));
+    let mut leased = 0;
+    for _ in 0..200 {
+        leased = engine.stats.leased_slots.load(Relaxed);
+        if leased == 4 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(leased, 4, "each fork holds a KDA slot of the engine's arena");
     drop(h);
     wait_idle(&engine);
     assert_eq!(engine.stats.used_pages.load(Relaxed), 0, "cancelling returns every page");
+    assert_eq!(engine.stats.leased_slots.load(Relaxed), 0, "and every KDA slot");
     engine.shutdown(Duration::from_secs(1));
 }
 

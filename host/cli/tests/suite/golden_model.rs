@@ -47,7 +47,7 @@ impl Checker<'_> {
         for i in 0..cfg.num_layers {
             let pre = format!("state.{phase}.layer{i}");
             if let Some(s) = state.kda(i) {
-                self.f32(&format!("{pre}.kda.recurrent_state"), &s.recurrent, tol);
+                self.f32(&format!("{pre}.kda.recurrent_state"), s.recurrent, tol);
                 for (b, x) in ["q", "k", "v"].iter().enumerate() {
                     let name = format!("{pre}.kda.conv_state.{x}");
                     let want = self.g.f32(&name);
