@@ -184,6 +184,8 @@ pub struct EngineStats {
     /// KDA slots actually leased from the engine's arena (`used_slots` is what the pool reserved).
     pub leased_slots: AtomicUsize,
     pub used_pages: AtomicUsize,
+    /// Latent pages (one MLA layer's 16 tokens each) leased from the engine's page arena.
+    pub leased_pages: AtomicUsize,
     pub used_bytes: AtomicUsize,
     pub total_slots: AtomicUsize,
     pub total_pages: AtomicUsize,

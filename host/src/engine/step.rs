@@ -17,7 +17,7 @@ use super::{
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
-use crate::model::{LogitsFor, Model, SeqInput, SequenceState, SlotArena};
+use crate::model::{LogitsFor, Model, SeqInput, SequenceState, StateArenas};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
@@ -80,14 +80,14 @@ pub(super) struct Worker {
     waiting: VecDeque<Box<Pending>>,
     running: Vec<Running>,
     draining: Option<Instant>,
-    /// KDA state slots, one per pool slot, allocated at start-up.
-    slots: Arc<SlotArena>,
+    /// KDA slots and latent pages, as many as the pool can grant, allocated at start-up.
+    arenas: StateArenas,
 }
 
 impl Worker {
     pub(super) fn new(model: Arc<Model>, config: EngineConfig, pool: StatePool, stats: Arc<EngineStats>) -> Worker {
-        let slots = model.slot_arena(pool.total_slots);
-        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None, slots }
+        let arenas = model.state_arenas(pool.total_slots, pool.total_pages);
+        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None, arenas }
     }
 
     pub(super) fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -182,7 +182,8 @@ impl Worker {
         let s = &self.stats;
         let used = self.pool.used();
         s.used_slots.store(used.slots, Ordering::Relaxed);
-        s.leased_slots.store(self.slots.in_use(), Ordering::Relaxed);
+        s.leased_slots.store(self.arenas.slots.in_use(), Ordering::Relaxed);
+        s.leased_pages.store(self.arenas.pages.in_use(), Ordering::Relaxed);
         s.used_pages.store(used.pages, Ordering::Relaxed);
         s.used_bytes.store(self.pool.used_bytes(), Ordering::Relaxed);
         s.running_requests.store(self.running.len(), Ordering::Relaxed);
@@ -285,7 +286,7 @@ impl Worker {
             }
         }
         // Sequence 0's state (prefilled; the others fork it afterwards), from the engine's arena.
-        let mut first = match self.model.new_state_in(&self.slots) {
+        let mut first = match self.model.new_state_in(&self.arenas) {
             Ok(mut st) => {
                 st.reserve_tokens(req.prompt.len() + req.max_tokens);
                 Some(st)

@@ -33,7 +33,7 @@ pub enum ModelError {
     TraceNeedsOneSequence { sequences: usize },
     #[error("layer {layer}: the sequence state was built for another model")]
     StateMismatch { layer: usize },
-    #[error("all {capacity} KDA state slots are in use")]
+    #[error("all {capacity} state slots of an arena (KDA slots or latent pages) are in use")]
     StateSlotsFull { capacity: usize },
 }
 

@@ -17,8 +17,7 @@ use super::mlp::{Mlp, situ_params};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
 use super::profile::{Laps, OpKind, OpTimes};
-use super::slots::SlotArena;
-use super::state::{KdaStateMut, LatentCache, LayerState, SequenceState, kda_slot_floats};
+use super::state::{KdaStateMut, LatentCache, LayerState, SequenceState, StateArenas};
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
 
@@ -57,8 +56,9 @@ pub struct Model {
     situ: SituParams,
     /// Where every op runs; model code reaches kernels only through it.
     backend: Arc<dyn Backend>,
-    /// KDA slots for states made by `new_state` (the engine brings its own fixed arena).
-    slots: Arc<SlotArena>,
+    /// KDA slots and latent pages for states made by `new_state` (the engine brings its own
+    /// fixed arenas).
+    arenas: StateArenas,
     /// Keeps the memory maps alive for the weights' lifetime.
     _checkpoint: Option<Checkpoint>,
 }
@@ -115,8 +115,8 @@ impl Model {
         let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
         let situ = situ_params(c);
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-        let slots = SlotArena::growable(kda_slot_floats(c));
-        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, slots, _checkpoint: None })
+        let arenas = StateArenas::growable(c);
+        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, arenas, _checkpoint: None })
     }
 
     /// Runs every op on `backend` from now on (the default is [`CpuBackend`]).
@@ -137,17 +137,21 @@ impl Model {
     /// A fresh state with its KDA slot from the model's own growable arena (tools, tests).
     pub fn new_state(&self) -> SequenceState {
         // A growable arena adds a chunk instead of refusing, so this cannot fail.
-        SequenceState::new_in(&self.config.text, &self.slots).expect("a growable slot arena always has room")
+        SequenceState::new_in(&self.config.text, &self.arenas).expect("growable arenas always have room")
     }
 
-    /// A fresh state with its KDA slot from `arena` (the engine's, fixed at start-up).
-    pub fn new_state_in(&self, arena: &Arc<SlotArena>) -> Result<SequenceState, ModelError> {
-        SequenceState::new_in(&self.config.text, arena)
+    /// A fresh state whose KDA slot and latent pages come from `arenas` (the engine's, fixed at
+    /// start-up).
+    pub fn new_state_in(&self, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
+        SequenceState::new_in(&self.config.text, arenas)
     }
 
-    /// A fixed arena of `capacity` KDA slots for this model, allocated now.
-    pub fn slot_arena(&self, capacity: usize) -> Arc<SlotArena> {
-        SlotArena::fixed(kda_slot_floats(&self.config.text), capacity)
+    /// Fixed arenas for this model, allocated now: `slots` KDA slots and `pages` latent pages of
+    /// every MLA layer (each pool page is one page per MLA layer).
+    pub fn state_arenas(&self, slots: usize, pages: usize) -> StateArenas {
+        let c = &self.config.text;
+        let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
+        StateArenas::fixed(c, slots, pages.saturating_mul(mla_layers))
     }
 
     /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,
@@ -277,7 +281,7 @@ impl Model {
                             _ => Err(ModelError::StateMismatch { layer: i }),
                         })
                         .collect::<Result<_, _>>()?;
-                    let (u, sel) = m.forward(be, &x, &layout, &mut caches);
+                    let (u, sel) = m.forward(be, &x, &layout, &mut caches)?;
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }

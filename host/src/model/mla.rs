@@ -63,14 +63,14 @@ impl MlaLayer {
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `caches[s]` belongs to
     /// `layout.spans[s]` and gains its rows. Projections run once over all T rows; each token
     /// attends over its own sequence's cache through its page table. Returns the layer output
-    /// and, for K3.1, the indexer's selection per row.
+    /// and, for K3.1, the indexer's selection per row; a full page arena is an error.
     pub fn forward(
         &self,
         be: &dyn Backend,
         x: &[f32],
         layout: &BatchLayout,
         caches: &mut [&mut LatentCache],
-    ) -> (Vec<f32>, Option<Vec<Selection>>) {
+    ) -> Result<(Vec<f32>, Option<Vec<Selection>>), ModelError> {
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let width = r + dr;
         let tokens = layout.len();
@@ -84,7 +84,7 @@ impl MlaLayer {
         for (span, cache) in layout.spans.iter().zip(caches.iter_mut()) {
             for t in span.rows() {
                 let key = keys.as_ref().map_or(&[][..], |k| &k[t * cache.index_dim..(t + 1) * cache.index_dim]);
-                cache.push(&latent[t * r..(t + 1) * r], &kv[t * width + r..(t + 1) * width], key);
+                cache.push(&latent[t * r..(t + 1) * r], &kv[t * width + r..(t + 1) * width], key)?;
             }
         }
         let rows: Vec<PagedRows<'_>> = caches.iter().map(|c| c.rows_view()).collect();
@@ -105,6 +105,6 @@ impl MlaLayer {
             let gate = g.matmul(be, x, tokens);
             be.sigmoid_mul(&mut o, &gate);
         }
-        (self.o_proj.matmul(be, &o, tokens), selections)
+        Ok((self.o_proj.matmul(be, &o, tokens), selections))
     }
 }

@@ -24,5 +24,5 @@ pub use config::{ModelConfig, TextConfig};
 pub use error::ModelError;
 pub use forward::{LogitsFor, Model};
 pub use slots::SlotArena;
-pub use state::SequenceState;
+pub use state::{SequenceState, StateArenas};
 pub use trace::Trace;

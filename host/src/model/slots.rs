@@ -127,6 +127,16 @@ impl Drop for SlotArena {
     }
 }
 
+impl std::fmt::Debug for SlotArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotArena")
+            .field("slot_floats", &self.slot_floats)
+            .field("capacity", &self.capacity)
+            .field("in_use", &self.in_use())
+            .finish()
+    }
+}
+
 /// One leased slot; it goes back to its arena when dropped.
 pub struct Slot {
     arena: Arc<SlotArena>,

@@ -70,30 +70,31 @@ impl KdaStateMut<'_> {
 /// Tokens per latent-cache page.
 pub const PAGE_TOKENS: usize = 16;
 
-/// `PAGE_TOKENS` tokens' latent rows and indexer keys of one MLA layer.
-#[derive(Clone, Debug, Default)]
-pub struct LatentPage {
-    rows: Vec<f32>,
-    keys: Vec<f32>,
+/// Values of one latent page: `PAGE_TOKENS` latent rows, then `PAGE_TOKENS` indexer keys.
+pub fn latent_page_floats(c: &TextConfig) -> usize {
+    PAGE_TOKENS * (c.latent_width() + c.indexer.as_ref().map_or(0, |i| i.head_dim))
 }
 
 /// Latent rows of one MLA layer: `[c (kv_lora_rank, normed) | k_pe (raw)]` per token, plus the
-/// K3.1 indexer key per token, in fixed-size pages addressed through a page table. A fork (a
-/// clone) shares every page by reference count; the first write to a shared page — only the
-/// partly filled last one is ever written again — copies it, so sequences that share a prompt
-/// never see each other's later tokens.
+/// K3.1 indexer key per token, in fixed-size pages leased from a page arena and addressed through
+/// a page table. A fork (a clone) shares every page by reference count; the first write to a
+/// shared page — only the partly filled last one is ever written again — copies it into a new
+/// page, so sequences that share a prompt never see each other's later tokens.
 #[derive(Clone, Debug)]
 pub struct LatentCache {
-    pages: Vec<Arc<LatentPage>>,
+    pages: Vec<Arc<Slot>>,
+    arena: Arc<SlotArena>,
     len: usize,
     pub width: usize,
     pub index_dim: usize,
 }
 
 impl LatentCache {
-    pub fn new(c: &TextConfig) -> LatentCache {
+    /// An empty cache whose pages come from `arena` (pages of [`latent_page_floats`] values).
+    pub fn new(c: &TextConfig, arena: &Arc<SlotArena>) -> LatentCache {
         LatentCache {
             pages: Vec::new(),
+            arena: arena.clone(),
             len: 0,
             width: c.latent_width(),
             index_dim: c.indexer.as_ref().map_or(0, |i| i.head_dim),
@@ -109,38 +110,44 @@ impl LatentCache {
     }
 
     /// Appends one token: its normed latent `c`, its raw `k_pe` and its indexer key (empty
-    /// without an indexer).
-    pub fn push(&mut self, c: &[f32], k_pe: &[f32], key: &[f32]) {
+    /// without an indexer). A full fixed arena is an error.
+    pub fn push(&mut self, c: &[f32], k_pe: &[f32], key: &[f32]) -> Result<(), ModelError> {
         debug_assert_eq!(c.len() + k_pe.len(), self.width);
         debug_assert_eq!(key.len(), self.index_dim);
         if self.len.is_multiple_of(PAGE_TOKENS) {
-            self.pages.push(Arc::new(LatentPage {
-                rows: Vec::with_capacity(PAGE_TOKENS * self.width),
-                keys: Vec::with_capacity(PAGE_TOKENS * self.index_dim),
-            }));
+            self.pages.push(Arc::new(self.arena.acquire()?));
         }
-        let Some(last) = self.pages.last_mut() else { return };
-        let page = Arc::make_mut(last);
-        page.rows.extend_from_slice(c);
-        page.rows.extend_from_slice(k_pe);
-        page.keys.extend_from_slice(key);
+        let Some(last) = self.pages.last_mut() else { return Ok(()) };
+        if Arc::get_mut(last).is_none() {
+            // Shared with a fork: this sequence writes into its own copy from here on.
+            *last = Arc::new(last.try_clone()?);
+        }
+        let Some(page) = Arc::get_mut(last) else { return Ok(()) };
+        let at = self.len % PAGE_TOKENS;
+        let (w, kd) = (self.width, self.index_dim);
+        let floats = page.floats_mut();
+        floats[at * w..at * w + c.len()].copy_from_slice(c);
+        floats[at * w + c.len()..(at + 1) * w].copy_from_slice(k_pe);
+        floats[PAGE_TOKENS * w + at * kd..PAGE_TOKENS * w + (at + 1) * kd].copy_from_slice(key);
         self.len += 1;
+        Ok(())
     }
 
     pub fn row(&self, s: usize) -> &[f32] {
         let at = (s % PAGE_TOKENS) * self.width;
-        &self.pages[s / PAGE_TOKENS].rows[at..at + self.width]
+        &self.pages[s / PAGE_TOKENS].floats()[at..at + self.width]
     }
 
     pub fn index_key(&self, s: usize) -> &[f32] {
-        let at = (s % PAGE_TOKENS) * self.index_dim;
-        &self.pages[s / PAGE_TOKENS].keys[at..at + self.index_dim]
+        let at = PAGE_TOKENS * self.width + (s % PAGE_TOKENS) * self.index_dim;
+        &self.pages[s / PAGE_TOKENS].floats()[at..at + self.index_dim]
     }
 
     /// The latent rows through the page table, for the backend's attention.
     pub fn rows_view(&self) -> PagedRows<'_> {
+        let rows = PAGE_TOKENS * self.width;
         PagedRows {
-            pages: self.pages.iter().map(|p| p.rows.as_slice()).collect(),
+            pages: self.pages.iter().map(|p| &p.floats()[..rows]).collect(),
             page_tokens: PAGE_TOKENS,
             width: self.width,
         }
@@ -148,8 +155,9 @@ impl LatentCache {
 
     /// The indexer keys through the page table, for the backend's indexer.
     pub fn keys_view(&self) -> PagedRows<'_> {
+        let rows = PAGE_TOKENS * self.width;
         PagedRows {
-            pages: self.pages.iter().map(|p| p.keys.as_slice()).collect(),
+            pages: self.pages.iter().map(|p| &p.floats()[rows..]).collect(),
             page_tokens: PAGE_TOKENS,
             width: self.index_dim,
         }
@@ -157,12 +165,12 @@ impl LatentCache {
 
     /// Every row, `[len, width]` (tests and tools).
     pub fn rows(&self) -> Vec<f32> {
-        self.pages.iter().flat_map(|p| p.rows.iter().copied()).collect()
+        (0..self.len).flat_map(|s| self.row(s).iter().copied()).collect()
     }
 
     /// Every indexer key, `[len, index_dim]` (tests and tools).
     pub fn index_keys(&self) -> Vec<f32> {
-        self.pages.iter().flat_map(|p| p.keys.iter().copied()).collect()
+        (0..self.len).flat_map(|s| self.index_key(s).iter().copied()).collect()
     }
 
     /// Pages this cache holds.
@@ -187,6 +195,32 @@ pub enum LayerState {
     Mla(LatentCache),
 }
 
+/// Where sequence state comes from: KDA slots and latent pages, each a preallocated arena (the
+/// engine's, fixed at start-up) or a growable one (tools, tests).
+#[derive(Clone)]
+pub struct StateArenas {
+    pub slots: Arc<SlotArena>,
+    pub pages: Arc<SlotArena>,
+}
+
+impl StateArenas {
+    /// Arenas that grow on demand.
+    pub fn growable(c: &TextConfig) -> StateArenas {
+        StateArenas {
+            slots: SlotArena::growable(kda_slot_floats(c)),
+            pages: SlotArena::growable(latent_page_floats(c)),
+        }
+    }
+
+    /// Exactly `slots` KDA slots and `pages` latent pages (per MLA layer), allocated now.
+    pub fn fixed(c: &TextConfig, slots: usize, pages: usize) -> StateArenas {
+        StateArenas {
+            slots: SlotArena::fixed(kda_slot_floats(c), slots),
+            pages: SlotArena::fixed(latent_page_floats(c), pages),
+        }
+    }
+}
+
 /// Values of one sequence's KDA slot for this model (every KDA layer's state).
 pub fn kda_slot_floats(c: &TextConfig) -> usize {
     let per_layer = c.kda.num_heads * c.kda.head_dim * c.kda.head_dim
@@ -205,12 +239,14 @@ pub struct SequenceState {
 }
 
 impl SequenceState {
-    /// A fresh state whose KDA slot comes from `arena`; a full fixed arena is an error.
-    pub fn new_in(c: &TextConfig, arena: &Arc<SlotArena>) -> Result<SequenceState, ModelError> {
+    /// A fresh state whose KDA slot comes from `arenas.slots` and whose latent pages will come
+    /// from `arenas.pages`; a full fixed arena is an error.
+    pub fn new_in(c: &TextConfig, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
         let need = kda_slot_floats(c);
-        if arena.slot_floats() != need {
+        if arenas.slots.slot_floats() != need || arenas.pages.slot_floats() != latent_page_floats(c) {
             return Err(ModelError::StateMismatch { layer: 0 });
         }
+        let arena = &arenas.slots;
         let slot = if need > 0 { Some(arena.acquire()?) } else { None };
         let (h, k) = (c.kda.num_heads, c.kda.head_dim);
         let mut offset = 0;
@@ -228,7 +264,7 @@ impl SequenceState {
                     offset += l.floats();
                     LayerState::Kda(l)
                 }
-                MixerKind::Mla => LayerState::Mla(LatentCache::new(c)),
+                MixerKind::Mla => LayerState::Mla(LatentCache::new(c, &arenas.pages)),
             })
             .collect();
         Ok(SequenceState { slot, layers, len: 0 })
@@ -291,18 +327,19 @@ impl SequenceState {
 mod tests {
     use super::*;
 
-    fn cache() -> LatentCache {
-        LatentCache { pages: Vec::new(), len: 0, width: 3, index_dim: 1 }
+    fn cache(arena: &Arc<SlotArena>) -> LatentCache {
+        LatentCache { pages: Vec::new(), arena: arena.clone(), len: 0, width: 3, index_dim: 1 }
     }
 
     fn push(c: &mut LatentCache, t: usize) {
         let v = t as f32;
-        c.push(&[v, v + 0.5], &[-v], &[10.0 * v]);
+        c.push(&[v, v + 0.5], &[-v], &[10.0 * v]).expect("room in the arena");
     }
 
     #[test]
     fn a_fork_shares_full_pages_and_copies_on_write() {
-        let mut a = cache();
+        let arena = SlotArena::fixed(PAGE_TOKENS * 4, 3);
+        let mut a = cache(&arena);
         for t in 0..PAGE_TOKENS + 5 {
             push(&mut a, t);
         }
@@ -319,5 +356,9 @@ mod tests {
         assert_eq!(b.row(PAGE_TOKENS + 4), a.row(PAGE_TOKENS + 4));
         assert_eq!(b.len(), PAGE_TOKENS + 9);
         assert_eq!(b.rows().len(), 3 * b.len());
+        assert_eq!(arena.in_use(), 3, "the full page shared, the partial one copied once");
+        assert!(matches!(cache(&arena).push(&[0.0, 0.0], &[0.0], &[0.0]), Err(ModelError::StateSlotsFull { .. })));
+        drop((a, b));
+        assert_eq!(arena.in_use(), 0, "dropping the caches returns every page");
     }
 }

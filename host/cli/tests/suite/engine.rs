@@ -10,6 +10,7 @@ use kimi_host::engine::pool::StateShape;
 use kimi_host::engine::{
     Engine, EngineConfig, EngineError, FinishReason, GenRequest, SamplerRequest, SamplingSpec, SeqEvent,
 };
+use kimi_host::model::config::MixerKind;
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
 use kimi_host::model::{LogitsFor, Model};
 use kimi_host::plugins::builtin::builtin;
@@ -92,6 +93,7 @@ fn wait_idle(e: &Engine) {
     for _ in 0..500 {
         if e.stats.used_slots.load(Relaxed) == 0
             && e.stats.leased_slots.load(Relaxed) == 0
+            && e.stats.leased_pages.load(Relaxed) == 0
             && e.stats.running_requests.load(Relaxed) == 0
         {
             return;
@@ -193,10 +195,16 @@ fn forks_share_the_prompt_pages() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(leased, 4, "each fork holds a KDA slot of the engine's arena");
+    // The page arena itself holds the prompt's pages once per MLA layer (the forks' own pages
+    // come as they decode) — far from four copies.
+    let mla = f.model.text_config().layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
+    let pages = engine.stats.leased_pages.load(Relaxed);
+    assert!(pages >= mla * prompt_pages && pages < mla * 2 * prompt_pages, "{pages} latent pages leased");
     drop(h);
     wait_idle(&engine);
     assert_eq!(engine.stats.used_pages.load(Relaxed), 0, "cancelling returns every page");
     assert_eq!(engine.stats.leased_slots.load(Relaxed), 0, "and every KDA slot");
+    assert_eq!(engine.stats.leased_pages.load(Relaxed), 0, "and every latent page");
     engine.shutdown(Duration::from_secs(1));
 }
 
