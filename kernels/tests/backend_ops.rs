@@ -3,6 +3,8 @@
 //! empty sequences). A device backend joins by adding itself to `backends()`; the CPU backend is
 //! itself checked here, once per SIMD level (`every_simd_level_passes`).
 
+mod common;
+
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_row;
 use kimi_kernels::{
@@ -562,21 +564,5 @@ fn moe_route_and_grouped_experts_match_reference() {
 /// Re-runs this binary with each lower SIMD level forced (`KIMI_SIMD`).
 #[test]
 fn every_simd_level_passes() {
-    if std::env::var_os("KIMI_SIMD").is_some() {
-        return;
-    }
-    let exe = std::env::current_exe().expect("test binary path");
-    for level in ["avx2", "scalar"] {
-        let out = std::process::Command::new(&exe)
-            .env("KIMI_SIMD", level)
-            .args(["--skip", "every_simd_level_passes", "--test-threads", "2"])
-            .output()
-            .expect("re-run the backend op tests");
-        assert!(
-            out.status.success(),
-            "backend op tests fail with KIMI_SIMD={level}:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    common::rerun_at_every_simd_level("every_simd_level_passes");
 }

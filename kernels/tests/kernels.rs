@@ -1,6 +1,8 @@
 //! Kernel checks against plain f64 loops written here. `.ci/run` runs this file once per SIMD
 //! level (`KIMI_SIMD=scalar|avx2|avx512`), so every dispatched path is covered.
 
+mod common;
+
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::kda::{kda_prefill, kda_step};
 use kimi_kernels::cpu::mxfp4::quantize_row;
@@ -250,23 +252,7 @@ fn kda_chunked_prefill_equals_recurrence() {
 /// scalar paths are checked on a machine that would otherwise always take AVX-512.
 #[test]
 fn every_simd_level_passes() {
-    if std::env::var_os("KIMI_SIMD").is_some() {
-        return; // already a forced run
-    }
-    let exe = std::env::current_exe().expect("test binary path");
-    for level in ["avx2", "scalar"] {
-        let out = std::process::Command::new(&exe)
-            .env("KIMI_SIMD", level)
-            .args(["--skip", "every_simd_level_passes", "--test-threads", "2"])
-            .output()
-            .expect("re-run the kernel tests");
-        assert!(
-            out.status.success(),
-            "kernel tests fail with KIMI_SIMD={level}:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    common::rerun_at_every_simd_level("every_simd_level_passes");
 }
 
 #[test]
