@@ -172,6 +172,8 @@ pub enum EngineStartError {
     Pool(#[from] pool::PoolError),
     #[error("cannot start the engine thread: {0}")]
     Thread(std::io::Error),
+    #[error("state memory: {0}")]
+    StateMemory(crate::model::ModelError),
 }
 
 /// Live counters, read by `/metrics` and tests.
@@ -261,7 +263,9 @@ impl Engine {
         let max_context = model.text_config().max_position_embeddings;
         let backend = model.backend().describe();
         let (tx, rx) = mpsc::channel();
-        let worker = step::Worker::new(model, config.clone(), pool, stats.clone());
+        // The state arenas: as many KDA slots and latent pages as the pool can grant, set aside now.
+        let arenas = model.state_arenas(pool.total_slots, pool.total_pages).map_err(EngineStartError::StateMemory)?;
+        let worker = step::Worker::new(model, config.clone(), pool, stats.clone(), arenas);
         let thread = std::thread::Builder::new()
             .name("kimi-engine".into())
             .spawn(move || worker.run(rx))

@@ -85,8 +85,13 @@ pub(super) struct Worker {
 }
 
 impl Worker {
-    pub(super) fn new(model: Arc<Model>, config: EngineConfig, pool: StatePool, stats: Arc<EngineStats>) -> Worker {
-        let arenas = model.state_arenas(pool.total_slots, pool.total_pages);
+    pub(super) fn new(
+        model: Arc<Model>,
+        config: EngineConfig,
+        pool: StatePool,
+        stats: Arc<EngineStats>,
+        arenas: StateArenas,
+    ) -> Worker {
         Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None, arenas }
     }
 

@@ -137,7 +137,9 @@ impl Model {
     /// A fresh state with its KDA slot from the model's own growable arena (tools, tests).
     pub fn new_state(&self) -> SequenceState {
         // A growable arena adds a chunk instead of refusing, so this cannot fail.
-        SequenceState::new_in(&self.config.text, &self.arenas).expect("growable arenas always have room")
+        // A growable arena adds a chunk instead of refusing; only the machine running out of
+        // memory stops it (as any allocation).
+        SequenceState::new_in(&self.config.text, &self.arenas).expect("memory for a sequence state")
     }
 
     /// A fresh state whose KDA slot and latent pages come from `arenas` (the engine's, fixed at
@@ -148,7 +150,7 @@ impl Model {
 
     /// Fixed arenas for this model, allocated now: `slots` KDA slots and `pages` latent pages of
     /// every MLA layer (each pool page is one page per MLA layer).
-    pub fn state_arenas(&self, slots: usize, pages: usize) -> StateArenas {
+    pub fn state_arenas(&self, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
         let c = &self.config.text;
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
         StateArenas::fixed(c, slots, pages.saturating_mul(mla_layers))

@@ -5,6 +5,7 @@
 //! that adds chunks of slots on demand. Slots never move, so a lease's memory stays valid while the
 //! arena grows.
 
+use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -41,13 +42,15 @@ unsafe impl Sync for SlotArena {}
 
 impl SlotArena {
     /// An arena of exactly `capacity` slots, allocated now (zeroed memory, committed by the OS as
-    /// slots are first written).
-    pub fn fixed(slot_floats: usize, capacity: usize) -> Arc<SlotArena> {
+    /// slots are first written); memory the machine cannot give is an error.
+    pub fn fixed(slot_floats: usize, capacity: usize) -> Result<Arc<SlotArena>, ModelError> {
         let arena = SlotArena { slot_floats, capacity: Some(capacity), inner: Mutex::new(Inner::default()) };
         if capacity > 0 {
-            arena.inner.lock().chunks.push(alloc(capacity * slot_floats.max(1)));
+            let floats =
+                capacity.checked_mul(slot_floats.max(1)).ok_or(ModelError::StateAlloc { bytes: usize::MAX })?;
+            arena.inner.lock().chunks.push(alloc(floats)?);
         }
-        Arc::new(arena)
+        Ok(Arc::new(arena))
     }
 
     /// An arena that adds chunks of slots as needed (tools, tests).
@@ -83,7 +86,7 @@ impl SlotArena {
                 if inner.high == have {
                     match self.capacity {
                         Some(capacity) => return Err(ModelError::StateSlotsFull { capacity }),
-                        None => inner.chunks.push(alloc(CHUNK_SLOTS * self.slot_floats.max(1))),
+                        None => inner.chunks.push(alloc(CHUNK_SLOTS * self.slot_floats.max(1))?),
                     }
                 }
                 inner.high += 1;
@@ -109,20 +112,26 @@ impl SlotArena {
     }
 }
 
-fn alloc(floats: usize) -> (NonNull<f32>, usize) {
-    let b: Box<[f32]> = vec![0f32; floats].into_boxed_slice();
-    let len = b.len();
-    // Box::into_raw never returns null.
-    let ptr = NonNull::new(Box::into_raw(b) as *mut f32).unwrap_or(NonNull::dangling());
-    (ptr, len)
+/// Zeroed memory for `floats` values (the OS commits it as it is first written); a size the
+/// machine cannot give is an error, not an abort.
+fn alloc(floats: usize) -> Result<(NonNull<f32>, usize), ModelError> {
+    let floats = floats.max(1);
+    let too_big = || ModelError::StateAlloc { bytes: floats.saturating_mul(4) };
+    let layout = Layout::array::<f32>(floats).map_err(|_| too_big())?;
+    // SAFETY: the layout's size is non-zero (at least one f32).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+    NonNull::new(ptr).map(|p| (p, floats)).ok_or_else(too_big)
 }
 
 impl Drop for SlotArena {
     fn drop(&mut self) {
         for &(ptr, len) in &self.inner.get_mut().chunks {
-            // SAFETY: each chunk came from `alloc` (a leaked Box<[f32]> of `len` values) and every
-            // lease holds an Arc to the arena, so none is alive now.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len)) });
+            // `alloc` made this layout for `len` values, so it is valid again.
+            if let Ok(layout) = Layout::array::<f32>(len) {
+                // SAFETY: the chunk came from `alloc_zeroed` with this layout, and every lease holds
+                // an Arc to the arena, so none is alive now.
+                unsafe { std::alloc::dealloc(ptr.as_ptr() as *mut u8, layout) };
+            }
         }
     }
 }
@@ -193,7 +202,7 @@ mod tests {
 
     #[test]
     fn fixed_arenas_refuse_past_capacity_and_reuse_returned_slots() {
-        let a = SlotArena::fixed(5, 2);
+        let a = SlotArena::fixed(5, 2).expect("small arena");
         let mut s0 = a.acquire().expect("first");
         let s1 = a.acquire().expect("second");
         assert!(matches!(a.acquire(), Err(ModelError::StateSlotsFull { capacity: 2 })));

@@ -212,12 +212,12 @@ impl StateArenas {
         }
     }
 
-    /// Exactly `slots` KDA slots and `pages` latent pages (per MLA layer), allocated now.
-    pub fn fixed(c: &TextConfig, slots: usize, pages: usize) -> StateArenas {
-        StateArenas {
-            slots: SlotArena::fixed(kda_slot_floats(c), slots),
-            pages: SlotArena::fixed(latent_page_floats(c), pages),
-        }
+    /// Exactly `slots` KDA slots and `pages` latent pages, allocated now.
+    pub fn fixed(c: &TextConfig, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
+        Ok(StateArenas {
+            slots: SlotArena::fixed(kda_slot_floats(c), slots)?,
+            pages: SlotArena::fixed(latent_page_floats(c), pages)?,
+        })
     }
 }
 
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn a_fork_shares_full_pages_and_copies_on_write() {
-        let arena = SlotArena::fixed(PAGE_TOKENS * 4, 3);
+        let arena = SlotArena::fixed(PAGE_TOKENS * 4, 3).expect("small arena");
         let mut a = cache(&arena);
         for t in 0..PAGE_TOKENS + 5 {
             push(&mut a, t);

@@ -320,3 +320,14 @@ fn a_fault_inside_a_step_fails_only_its_requests() {
     wait_idle(&engine);
     engine.shutdown(Duration::from_secs(1));
 }
+
+/// State memory the machine cannot give is a named start-up error, not an abort.
+#[test]
+fn state_memory_the_machine_cannot_give_is_a_start_up_error() {
+    let f = fixture();
+    let cfg = EngineConfig { state_memory: 1 << 60, ..Default::default() };
+    match Engine::start(f.model.clone(), cfg) {
+        Err(e) => assert!(e.to_string().contains("state memory"), "{e}"),
+        Ok(_) => panic!("an engine started with 2^60 bytes of state memory"),
+    }
+}
