@@ -37,6 +37,29 @@ fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
 }
 
+/// Signal masks and per-thread states of a process (Linux `/proc`), for a failure message: a
+/// server that ignores SIGTERM shows whether the signal is pending, blocked or caught, and where
+/// each thread waits.
+fn process_state(pid: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mut out: Vec<String> = status
+        .lines()
+        .filter(|l| {
+            ["State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt", "Threads"].iter().any(|k| l.starts_with(k))
+        })
+        .map(str::to_string)
+        .collect();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            let path = t.path();
+            let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
+            let wchan = std::fs::read_to_string(path.join("wchan")).unwrap_or_default();
+            out.push(format!("task {}: {} wchan={wchan}", t.file_name().to_string_lossy(), stat.trim()));
+        }
+    }
+    out.join("\n")
+}
+
 struct Server(Child);
 
 impl Drop for Server {
@@ -252,8 +275,9 @@ fn embedded_default_answers_its_printed_curl_and_drains_on_sigterm() {
         }
         assert!(
             t.elapsed() < Duration::from_secs(90),
-            "server did not exit after SIGTERM; stderr:\n{}",
-            std::fs::read_to_string(cache.path().join("serve.err")).unwrap_or_default()
+            "server did not exit after SIGTERM; stderr:\n{}\nprocess:\n{}",
+            std::fs::read_to_string(cache.path().join("serve.err")).unwrap_or_default(),
+            process_state(&pid)
         );
         std::thread::sleep(Duration::from_millis(100));
     }
