@@ -5,6 +5,7 @@
 
 use crate::model::TextConfig;
 use crate::model::config::MixerKind;
+use crate::model::state::{kda_slot_floats, latent_page_floats};
 
 pub use crate::model::state::PAGE_TOKENS;
 
@@ -18,16 +19,11 @@ pub struct StateShape {
 }
 
 impl StateShape {
+    /// The arenas' own sizes (`kda_slot_floats`, `latent_page_floats`), so the pool's accounting
+    /// and the memory set aside cannot drift apart.
     pub fn of(c: &TextConfig) -> StateShape {
-        let kda_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Kda)).count();
-        let mla_layers = c.layer_kinds.len() - kda_layers;
-        let recurrent = c.kda.num_heads * c.kda.head_dim * c.kda.head_dim;
-        let conv = 3 * c.kda.conv_kernel.saturating_sub(1) * c.kda_projection_dim();
-        let per_token = c.latent_width() + c.indexer.as_ref().map_or(0, |i| i.head_dim);
-        StateShape {
-            slot_bytes: 4 * kda_layers * (recurrent + conv),
-            page_bytes: 4 * mla_layers * per_token * PAGE_TOKENS,
-        }
+        let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
+        StateShape { slot_bytes: 4 * kda_slot_floats(c), page_bytes: 4 * mla_layers * latent_page_floats(c) }
     }
 
     pub fn pages_for(tokens: usize) -> usize {
