@@ -7,7 +7,7 @@
 //! kernels will. Activations are host-memory `f32` slices today: the CPU backend is the reference;
 //! a device backend adds its buffer type here when it lands (issue: GPU backend).
 
-use crate::Matrix;
+use crate::{Matrix, PackedMatrix};
 
 /// Where one sequence's rows lie in a step's flat batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +120,11 @@ pub struct ExpertMatrices<'a> {
 pub trait Backend: Send + Sync {
     /// What this backend runs on (for logs and benches), e.g. `cpu (Avx512, 8 threads)`.
     fn describe(&self) -> String;
+
+    /// This backend's layout of a weight for [`Backend::matmul`], made once at load, or `None` to
+    /// read the stored format (the CPU backend packs BF16 and MXFP4 into 16-row panels; every
+    /// product over it is one fused multiply-add chain per output, whatever the batch).
+    fn prepare_matrix(&self, w: &Matrix<'_>) -> Option<PackedMatrix>;
 
     /// `out[t, r] = Σ_c W[r, c] · x[t, c]`, one read of W for all tokens.
     fn matmul(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]);

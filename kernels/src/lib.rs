@@ -1,8 +1,10 @@
 //! `kimi-kernels`: every numeric op the Kimi engine runs, declared once in the [`Backend`] trait.
 //!
 //! Today only the CPU backend exists (`cpu`, [`CpuBackend`]): runtime-dispatched AVX-512 / AVX2
-//! code with a scalar fallback, threaded with rayon. Weights are borrowed in their stored formats
-//! (BF16, MXFP4) and never dequantised up front; accumulation is always f32.
+//! code with a scalar fallback, threaded with rayon. Weights stay in their stored formats (BF16,
+//! MXFP4; never dequantised up front): the backend repacks the ones it multiplies by into 16-row
+//! panels at load (`cpu::packed`, the same bytes), where every output of a product is one fused
+//! multiply-add chain, so results do not depend on the batch. Accumulation is always f32.
 
 pub mod backend;
 pub mod cpu;
@@ -17,6 +19,7 @@ pub use cpu::mxfp4::quantize_row as mxfp4_quantize_row;
 
 pub use cpu::bf16::Bf16Matrix;
 pub use cpu::mxfp4::Mxfp4Matrix;
+pub use cpu::packed::PackedMatrix;
 pub use cpu::simd::{SimdLevel, simd_level};
 
 /// A weight matrix `[rows, cols]` (PyTorch `[out, in]`) in one of the stored formats.
@@ -25,6 +28,8 @@ pub enum Matrix<'a> {
     Bf16(Bf16Matrix<'a>),
     F32(F32Matrix<'a>),
     Mxfp4(Mxfp4Matrix<'a>),
+    /// A BF16 or MXFP4 weight repacked at load for the CPU products ([`PackedMatrix`]).
+    Packed(&'a PackedMatrix),
 }
 
 /// A plain f32 matrix `[rows, cols]`, row-major.
@@ -41,6 +46,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.rows,
             Matrix::F32(m) => m.rows,
             Matrix::Mxfp4(m) => m.rows,
+            Matrix::Packed(m) => m.rows,
         }
     }
 
@@ -49,6 +55,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.cols,
             Matrix::F32(m) => m.cols,
             Matrix::Mxfp4(m) => m.cols,
+            Matrix::Packed(m) => m.cols,
         }
     }
 
@@ -67,6 +74,8 @@ impl<'a> Matrix<'a> {
                 cols: m.cols,
             }),
             Matrix::Mxfp4(m) => Matrix::Mxfp4(m.row_range(start, len)),
+            // Packing is for products only; weights read by row ranges (MLA's kv_b) stay stored.
+            Matrix::Packed(_) => panic!("row_range of a packed matrix: keep this weight in its stored format"),
         }
     }
 
@@ -76,6 +85,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.row_to_f32(r, out),
             Matrix::F32(m) => out.copy_from_slice(&m.data[r * m.cols..(r + 1) * m.cols]),
             Matrix::Mxfp4(m) => m.row_to_f32(r, out),
+            Matrix::Packed(m) => m.row_to_f32(r, out),
         }
     }
 

@@ -8,8 +8,8 @@ mod common;
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_row;
 use kimi_kernels::{
-    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, Matrix, Mxfp4Matrix, PagedRows,
-    RouterParams, SeqSpan, SituParams,
+    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, Matrix, Mxfp4Matrix,
+    PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -39,6 +39,8 @@ struct Weights {
     f32: Vec<f32>,
     packed: Vec<u8>,
     scales: Vec<u8>,
+    /// The BF16 and (when the shape allows) MXFP4 weights repacked into panels.
+    packs: Vec<PackedMatrix>,
     rows: usize,
     cols: usize,
 }
@@ -58,7 +60,12 @@ impl Weights {
                 );
             }
         }
-        Weights { bf16, f32, packed, scales, rows, cols }
+        let mut w = Weights { bf16, f32, packed, scales, packs: Vec::new(), rows, cols };
+        w.packs.extend(PackedMatrix::pack(&Matrix::Bf16(Bf16Matrix::new(&w.bf16, rows, cols))));
+        if cols.is_multiple_of(32) {
+            w.packs.extend(PackedMatrix::pack(&Matrix::Mxfp4(Mxfp4Matrix::new(&w.packed, &w.scales, rows, cols))));
+        }
+        w
     }
 
     /// Every format this shape allows, with its dequantised values.
@@ -75,6 +82,11 @@ impl Weights {
         if cols.is_multiple_of(32) {
             let m = Mxfp4Matrix::new(&self.packed, &self.scales, rows, cols);
             v.push(("mxfp4", Matrix::Mxfp4(m), m.to_f32()));
+        }
+        let names = ["packed bf16", "packed mxfp4"];
+        for (i, p) in self.packs.iter().enumerate() {
+            let values = v[if i == 0 { 0 } else { 2 }].2.clone();
+            v.push((names[i], Matrix::Packed(p), values));
         }
         v
     }
@@ -133,11 +145,12 @@ fn matmul_and_transposed_match_reference_in_every_format() {
 #[test]
 fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
     let mut rng = StdRng::seed_from_u64(9);
-    let exact = kimi_kernels::simd_level() != kimi_kernels::SimdLevel::Avx2;
+    let level_exact = kimi_kernels::simd_level() != kimi_kernels::SimdLevel::Avx2;
     for (name, be) in backends() {
         let (rows, cols) = (37, 96);
         let w = Weights::new(&mut rng, rows, cols);
         for (fmt, m, _) in w.formats() {
+            let exact = level_exact || fmt.starts_with("packed");
             for tokens in [2usize, 5, 8, 17, 70] {
                 let x = randn(&mut rng, tokens * cols);
                 let mut all = vec![0f32; tokens * rows];
@@ -149,6 +162,39 @@ fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
                         let tol = if exact { 0.0 } else { 1e-6 * (1.0 + b.abs()) };
                         assert!((a - b).abs() <= tol, "{name} {fmt}: token {t} of {tokens}: {a} vs {b}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// A packed product is defined bit for bit: each output is `acc = fma(W[r, c], x[c], acc)` over
+/// the columns in order from 0. Checked against that chain written out here, at every SIMD level
+/// (so AVX-512, AVX2 and scalar machines give the same bits), and the packed rows unpack to the
+/// stored values.
+#[test]
+fn packed_products_are_one_fused_chain_per_output() {
+    let mut rng = StdRng::seed_from_u64(21);
+    for &(rows, cols, tokens) in &[(1, 1, 1), (17, 33, 3), (70, 64, 6), (33, 96, 9), (5, 255, 2)] {
+        let w = Weights::new(&mut rng, rows, cols);
+        for (fmt, m, values) in w.formats().into_iter().filter(|(f, _, _)| f.starts_with("packed")) {
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                m.row_to_f32(r, &mut row);
+                assert_eq!(row, values[r * cols..(r + 1) * cols], "{fmt} {rows}x{cols}: row {r} unpacks");
+            }
+            let x = randn(&mut rng, tokens * cols);
+            let mut out = vec![0f32; tokens * rows];
+            CpuBackend.matmul(&m, &x, tokens, &mut out);
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let want = (0..cols).fold(0f32, |acc, c| values[r * cols + c].mul_add(x[t * cols + c], acc));
+                    let got = out[t * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{fmt} {rows}x{cols}: token {t} row {r}: {got} vs {want}"
+                    );
                 }
             }
         }

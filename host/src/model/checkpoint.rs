@@ -120,6 +120,17 @@ impl TensorBytes {
         }
     }
 
+    /// Tells the kernel these mapped pages will not be read soon, so they leave resident memory
+    /// (a later read maps them from the file again, unchanged). Owned copies stay.
+    pub fn release_pages(&self) {
+        if let TensorBytes::Mapped { map, start, len } = self {
+            // SAFETY: the map is a read-only file mapping; DONTNEED only drops its resident pages,
+            // and any later read repopulates them from the same file, so every borrowed slice
+            // keeps its contents. A failure (e.g. an unaligned range) just leaves pages resident.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, *start, *len) };
+        }
+    }
+
     /// Copies `bytes` into 8-aligned storage.
     fn owned(bytes: &[u8]) -> TensorBytes {
         let mut words = vec![0u64; bytes.len().div_ceil(8)];

@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use kimi_kernels::{Backend, CpuBackend, SituParams};
 
 use super::attn_res::ResMix;
@@ -116,13 +118,36 @@ impl Model {
         let situ = situ_params(c);
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
         let arenas = StateArenas::growable(c);
-        Ok(Model { config, embed, layers, output_res, norm, lm_head, situ, backend, arenas, _checkpoint: None })
+        let mut model =
+            Model { config, embed, layers, output_res, norm, lm_head, situ, backend, arenas, _checkpoint: None };
+        model.prepare_weights();
+        Ok(model)
     }
 
-    /// Runs every op on `backend` from now on (the default is [`CpuBackend`]).
+    /// Runs every op on `backend` from now on (the default is [`CpuBackend`]), its weight layouts
+    /// made again for it.
     pub fn with_backend(mut self, backend: Arc<dyn Backend>) -> Model {
         self.backend = backend;
+        self.prepare_weights();
         self
+    }
+
+    /// Lets the backend lay out every weight it multiplies by (the embedding table is gathered by
+    /// rows, not multiplied, and stays stored), in parallel.
+    fn prepare_weights(&mut self) {
+        let be = Arc::clone(&self.backend);
+        let mut weights: Vec<&mut Weight> = vec![&mut self.lm_head];
+        for layer in &mut self.layers {
+            match &mut layer.mixer {
+                Mixer::Kda(k) => weights.extend(k.matmul_weights()),
+                Mixer::Mla(m) => weights.extend(m.matmul_weights()),
+            }
+            match &mut layer.ffn {
+                Ffn::Dense(mlp) => weights.extend(mlp.matmul_weights()),
+                Ffn::Moe(moe) => weights.extend(moe.matmul_weights()),
+            }
+        }
+        weights.into_par_iter().for_each(|w| w.prepare(&*be));
     }
 
     /// The backend the ops run on.

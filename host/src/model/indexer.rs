@@ -22,6 +22,11 @@ pub struct Indexer {
 }
 
 impl Indexer {
+    /// Every weight the indexer multiplies by.
+    pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
+        vec![&mut self.wq_b, &mut self.wk, &mut self.weights_proj]
+    }
+
     pub fn load(
         src: &mut dyn TensorSource,
         prefix: &str,

@@ -84,6 +84,17 @@ impl KdaLayer {
         })
     }
 
+    /// Every weight the layer multiplies by.
+    pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
+        let mut v = vec![&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.f_a, &mut self.f_b];
+        v.extend([&mut self.b_proj, &mut self.o_proj]);
+        match &mut self.gate {
+            OutputGate::Full(g) => v.push(g),
+            OutputGate::LowRank(a, b) => v.extend([a, b]),
+        }
+        v
+    }
+
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
     /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
     /// convolution and the delta-rule core run per sequence, reading that sequence's state.

@@ -34,6 +34,17 @@ pub struct MlaLayer {
 }
 
 impl MlaLayer {
+    /// Every weight the layer multiplies by (`kv_b` is read by head slices in the absorbed maps,
+    /// so it stays in its stored format).
+    pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
+        let mut v = vec![&mut self.q_a, &mut self.q_b, &mut self.kv_a, &mut self.o_proj];
+        v.extend(self.g_proj.as_mut());
+        if let Some(ix) = &mut self.indexer {
+            v.extend(ix.matmul_weights());
+        }
+        v
+    }
+
     pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MlaLayer, ModelError> {
         let d = c.hidden_size;
         let (h, dn, dr, dv, r) = (c.mla_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);

@@ -27,6 +27,11 @@ impl Mlp {
         })
     }
 
+    /// Every weight the MLP multiplies by.
+    pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
+        vec![&mut self.gate, &mut self.up, &mut self.down]
+    }
+
     pub fn forward(&self, be: &dyn Backend, x: &[f32], tokens: usize, act: SituParams) -> Vec<f32> {
         let mut g = self.gate.matmul(be, x, tokens);
         let u = self.up.matmul(be, x, tokens);

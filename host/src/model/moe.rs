@@ -72,13 +72,28 @@ impl MoeLayer {
         be.moe_route(&logits, tokens, &p)
     }
 
+    /// Every weight the layer multiplies by: router, latent maps, routed and shared experts.
+    pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
+        let mut v = vec![&mut self.gate, &mut self.down, &mut self.up];
+        for e in &mut self.experts {
+            v.extend([&mut e.w1, &mut e.w2, &mut e.w3]);
+        }
+        if let Some(s) = &mut self.shared {
+            v.extend(s.matmul_weights());
+        }
+        v
+    }
+
     /// x: `[tokens, d]` (post `post_attention_layernorm`).
     pub fn forward(&self, be: &dyn Backend, x: &[f32], tokens: usize, act: SituParams) -> (Vec<f32>, Routing) {
         let routing = self.route(be, x, tokens);
         let lat = self.down.rows;
         let z = self.down.matmul(be, x, tokens);
-        let experts: Vec<ExpertMatrices<'_>> =
-            self.experts.iter().map(|e| ExpertMatrices { w1: e.w1.m(), w2: e.w2.m(), w3: e.w3.m() }).collect();
+        let experts: Vec<ExpertMatrices<'_>> = self
+            .experts
+            .iter()
+            .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
+            .collect();
         let mut y_lat = vec![0f32; tokens * lat];
         be.moe_experts(&experts, &routing, &z, act, &mut y_lat);
         if let Some(nw) = &self.norm {

@@ -5,7 +5,7 @@
 //! used by `inspect` to check a shard index without weights). So the name map cannot drift from
 //! the loader.
 
-use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix};
+use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix, PackedMatrix};
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
 use super::error::ModelError;
@@ -15,6 +15,8 @@ pub struct Weight {
     pub rows: usize,
     pub cols: usize,
     store: WeightStore,
+    /// The backend's own layout for products, made once at load ([`Weight::prepare`]).
+    prepared: Option<PackedMatrix>,
 }
 
 enum WeightStore {
@@ -49,6 +51,34 @@ impl Weight {
         }
     }
 
+    /// The matrix the products read: the backend's prepared layout when it made one.
+    pub fn for_matmul(&self) -> Matrix<'_> {
+        match &self.prepared {
+            Some(p) => Matrix::Packed(p),
+            None => self.m(),
+        }
+    }
+
+    /// Lets `be` lay this weight out for its products (the CPU backend repacks BF16 and MXFP4
+    /// into row panels). The stored bytes' pages are then handed back to the kernel: products
+    /// never read them again, so resident memory holds one copy of the weight.
+    pub fn prepare(&mut self, be: &dyn Backend) {
+        if matches!(self.store, WeightStore::Absent) {
+            return;
+        }
+        self.prepared = be.prepare_matrix(&self.m());
+        if self.prepared.is_some() {
+            match &self.store {
+                WeightStore::Bf16(b) | WeightStore::F32(b) => b.release_pages(),
+                WeightStore::Mxfp4 { packed, scales } => {
+                    packed.release_pages();
+                    scales.release_pages();
+                }
+                WeightStore::Absent => {}
+            }
+        }
+    }
+
     pub fn is_mxfp4(&self) -> bool {
         matches!(self.store, WeightStore::Mxfp4 { .. })
     }
@@ -56,7 +86,7 @@ impl Weight {
     /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`, on `be`.
     pub fn matmul(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut out = vec![0f32; tokens * self.rows];
-        be.matmul(&self.m(), x, tokens, &mut out);
+        be.matmul(&self.for_matmul(), x, tokens, &mut out);
         out
     }
 }
@@ -83,7 +113,7 @@ impl TensorSource for CheckpointSource<'_> {
         let info = self.ck.expect(name, &[rows, cols], &[Dtype::Bf16, Dtype::F32])?;
         let bytes = self.ck.bytes(info);
         let store = if info.dtype == Dtype::Bf16 { WeightStore::Bf16(bytes) } else { WeightStore::F32(bytes) };
-        Ok(Weight { rows, cols, store })
+        Ok(Weight { rows, cols, store, prepared: None })
     }
 
     fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
@@ -100,7 +130,12 @@ impl TensorSource for CheckpointSource<'_> {
         }
         let p = self.ck.expect(&packed_name, &[rows, cols / 2], &[Dtype::U8])?;
         let s = self.ck.expect(&format!("{base}.weight_scale"), &[rows, cols / 32], &[Dtype::U8])?;
-        Ok(Weight { rows, cols, store: WeightStore::Mxfp4 { packed: self.ck.bytes(p), scales: self.ck.bytes(s) } })
+        Ok(Weight {
+            rows,
+            cols,
+            store: WeightStore::Mxfp4 { packed: self.ck.bytes(p), scales: self.ck.bytes(s) },
+            prepared: None,
+        })
     }
 
     fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
@@ -142,7 +177,7 @@ impl TensorSource for NameRecorder<'_> {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
         let n = (rows * cols) as u64;
         self.push(name.to_string(), vec![rows, cols], n, 2 * n, Dtype::Bf16);
-        Ok(Weight { rows, cols, store: WeightStore::Absent })
+        Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
     }
 
     fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
@@ -150,7 +185,7 @@ impl TensorSource for NameRecorder<'_> {
             let n = (rows * cols) as u64;
             self.push(format!("{base}.weight_packed"), vec![rows, cols / 2], n, n / 2, Dtype::U8);
             self.push(format!("{base}.weight_scale"), vec![rows, cols / 32], 0, n / 32, Dtype::U8);
-            Ok(Weight { rows, cols, store: WeightStore::Absent })
+            Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
         } else {
             self.matrix(&format!("{base}.weight"), rows, cols)
         }

@@ -1,9 +1,9 @@
 //! The CPU backend: [`Backend`] on this crate's CPU kernels (one op per file beside this one).
 
-use crate::Matrix;
 use crate::backend::{
     Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,
 };
+use crate::{Matrix, PackedMatrix};
 
 /// Runs every op on the host's cores (rayon's global pool) with the best SIMD level detected.
 #[derive(Clone, Copy, Debug, Default)]
@@ -12,6 +12,10 @@ pub struct CpuBackend;
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
         format!("cpu ({:?}, {} threads)", super::simd::simd_level(), rayon::current_num_threads())
+    }
+
+    fn prepare_matrix(&self, w: &Matrix<'_>) -> Option<PackedMatrix> {
+        PackedMatrix::pack(w)
     }
 
     fn matmul(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]) {

@@ -26,6 +26,9 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    if let Matrix::Packed(p) = w {
+        return super::packed::matmul(p, x, tokens, out);
+    }
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
     assert_eq!(out.len(), tokens * rows, "matmul: out has {} values, want {tokens}×{rows}", out.len());

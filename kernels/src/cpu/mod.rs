@@ -19,6 +19,7 @@ pub mod mla_latent;
 pub mod moe;
 pub mod mxfp4;
 pub mod norm;
+pub mod packed;
 pub mod reduce;
 pub mod simd;
 pub mod situ;

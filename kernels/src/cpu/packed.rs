@@ -1,0 +1,651 @@
+//! Weights repacked once at load into 16-row panels, and the matrix product over them.
+//!
+//! A panel holds rows `16p..16p+16` column pair by column pair: for each pair of columns the 16
+//! rows' two values sit side by side (BF16: 32 × 16 bits, one 512-bit register; MXFP4: the 16 rows'
+//! stored bytes, whose low and high nibbles are already the pair). The product broadcasts a
+//! token's column value and multiplies it into 16 rows at once, so every output is one fused
+//! multiply-add chain over the columns in order — no horizontal sums, and the same chain for any
+//! number of tokens, threads or SIMD level: a token's result is bit-identical alone or in a batch.
+//! The packed copy takes the same bytes as the stored weight (BF16 2 bytes a value, MXFP4 half a
+//! byte plus a scale byte per 32), padded to whole panels.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::mxfp4::{E2M1, GROUP, Mxfp4Matrix, e8m0_to_f32};
+use super::simd::{SimdLevel, simd_level};
+use crate::Matrix;
+
+/// Rows per panel (one 512-bit register of f32).
+pub const PANEL: usize = 16;
+/// Panels one task computes together (64 rows: 4 × 16 accumulators per token).
+const GROUP_PANELS: usize = 4;
+/// Tokens multiplied together against a panel group.
+const TOKEN_TILE: usize = 4;
+/// From this many tokens a panel group is widened to f32 once instead of decoded per token tile
+/// (measured: at 8 tokens decoding in registers is still faster).
+const WIDEN_FROM: usize = 12;
+/// Below this many multiply-adds a call runs on the calling thread.
+const SERIAL_WORK: usize = 1 << 16;
+
+/// 16 floats on a cache line of their own: the widened weights are read as whole aligned lines
+/// (an unaligned buffer splits every load across two lines, measured at twice the step time).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; PANEL]);
+
+thread_local! {
+    /// A panel group's weights widened to f32 (`[pair][panel][even 16 | odd 16]`), reused by
+    /// every token tile of a call with many tokens.
+    static WIDE: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A weight in the panel layout, owned (built from a borrowed stored-format matrix).
+#[derive(Debug)]
+pub struct PackedMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    data: PackedData,
+}
+
+#[derive(Debug)]
+enum PackedData {
+    /// `[panel][pair][row][2]` bf16 bits; an odd last column is paired with a zero.
+    Bf16(Vec<u16>),
+    /// `nibbles[panel][pair][row]` (column 2q low, 2q+1 high) and `scales[panel][group][row]`
+    /// (E8M0); padding rows are zero codes under scale 2^0.
+    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8> },
+}
+
+impl PackedMatrix {
+    /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32).
+    pub fn pack(m: &Matrix<'_>) -> Option<PackedMatrix> {
+        let (rows, cols) = (m.rows(), m.cols());
+        let panels = rows.div_ceil(PANEL);
+        let pairs = cols.div_ceil(2);
+        let data = match m {
+            Matrix::Bf16(b) => {
+                let mut out = vec![0u16; panels * pairs * PANEL * 2];
+                out.par_chunks_mut(pairs * PANEL * 2).enumerate().for_each(|(p, panel)| {
+                    for r in 0..PANEL.min(rows - p * PANEL) {
+                        let row = b.row(p * PANEL + r);
+                        for (c, &v) in row.iter().enumerate() {
+                            panel[((c / 2) * PANEL + r) * 2 + c % 2] = v;
+                        }
+                    }
+                });
+                PackedData::Bf16(out)
+            }
+            Matrix::Mxfp4(q) => {
+                let groups = cols / GROUP;
+                let mut nibbles = vec![0u8; panels * pairs * PANEL];
+                let mut scales = vec![127u8; panels * groups * PANEL];
+                nibbles.par_chunks_mut(pairs * PANEL).zip(scales.par_chunks_mut(groups * PANEL)).enumerate().for_each(
+                    |(p, (nib, sc))| {
+                        for r in 0..PANEL.min(rows - p * PANEL) {
+                            let (packed, s) = mxfp4_row(q, p * PANEL + r);
+                            for (j, &b) in packed.iter().enumerate() {
+                                nib[j * PANEL + r] = b;
+                            }
+                            for (g, &b) in s.iter().enumerate() {
+                                sc[g * PANEL + r] = b;
+                            }
+                        }
+                    },
+                );
+                PackedData::Mxfp4 { nibbles, scales }
+            }
+            Matrix::F32(_) | Matrix::Packed(_) => return None,
+        };
+        Some(PackedMatrix { rows, cols, data })
+    }
+
+    fn panels(&self) -> usize {
+        self.rows.div_ceil(PANEL)
+    }
+
+    fn pairs(&self) -> usize {
+        self.cols.div_ceil(2)
+    }
+
+    /// Bytes held (the stored weight's size, padded to whole panels).
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PackedData::Bf16(v) => 2 * v.len(),
+            PackedData::Mxfp4 { nibbles, scales } => nibbles.len() + scales.len(),
+        }
+    }
+
+    /// Row `r` as f32 (exact), for tools and tests.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let (p, lane) = (r / PANEL, r % PANEL);
+        let pairs = self.pairs();
+        for (c, o) in out[..self.cols].iter_mut().enumerate() {
+            *o = match &self.data {
+                PackedData::Bf16(v) => {
+                    f32::from_bits((v[((p * pairs + c / 2) * PANEL + lane) * 2 + c % 2] as u32) << 16)
+                }
+                PackedData::Mxfp4 { nibbles, scales } => {
+                    let b = nibbles[(p * pairs + c / 2) * PANEL + lane];
+                    let code = if c % 2 == 0 { b & 15 } else { b >> 4 };
+                    let s = scales[(p * (self.cols / GROUP) + c / GROUP) * PANEL + lane];
+                    E2M1[code as usize] * e8m0_to_f32(s)
+                }
+            };
+        }
+    }
+}
+
+/// The stored bytes of one MXFP4 row: `cols / 2` packed codes and `cols / 32` scales.
+fn mxfp4_row<'a>(q: &Mxfp4Matrix<'a>, r: usize) -> (&'a [u8], &'a [u8]) {
+    let (pb, sb) = (q.cols / 2, q.cols / GROUP);
+    (&q.packed[r * pb..(r + 1) * pb], &q.scales[r * sb..(r + 1) * sb])
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of output columns (its own panel group's rows).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// A method, so closures capture the whole `Send` wrapper rather than its raw field.
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// `out[t, r] = Σ_c W[r, c] · x[t, c]`, each output one multiply-add chain over `c` in order.
+pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert_eq!(x.len(), tokens * cols, "packed matmul: x has {} values, want {tokens}×{cols}", x.len());
+    assert_eq!(out.len(), tokens * rows, "packed matmul: out has {} values, want {tokens}×{rows}", out.len());
+    if tokens == 0 || rows == 0 {
+        return;
+    }
+    let groups = w.panels().div_ceil(GROUP_PANELS);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let run = |g: usize| {
+        let p0 = g * GROUP_PANELS;
+        let np = GROUP_PANELS.min(w.panels() - p0);
+        let tiles = |wide: Option<&[f32]>| {
+            let mut t = 0;
+            while t < tokens {
+                let nt = TOKEN_TILE.min(tokens - t);
+                let mut acc = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
+                match wide {
+                    Some(wide) => tile_wide(wide, cols, x, np, t, nt, &mut acc),
+                    None => tile(w, x, p0, np, t, nt, &mut acc),
+                }
+                for (i, panel) in acc.iter().enumerate().take(np) {
+                    let r0 = (p0 + i) * PANEL;
+                    let n = PANEL.min(rows - r0);
+                    for (j, lanes) in panel.iter().enumerate().take(nt) {
+                        // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of
+                        // panels p0..p0+np.
+                        unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr.at((t + j) * rows + r0), n) };
+                    }
+                }
+                t += nt;
+            }
+        };
+        if tokens < WIDEN_FROM {
+            // Few token tiles: decode in registers as they go.
+            tiles(None);
+        } else {
+            // Widen the group once, so the tiles only multiply (same values, so same chains).
+            WIDE.with(|s| {
+                let mut lines = s.borrow_mut();
+                let need = w.pairs() * GROUP_PANELS * 2;
+                if lines.len() < need {
+                    lines.resize(need, Line([0.0; PANEL]));
+                }
+                // SAFETY: `Line` is `repr(C)` over 16 f32 with no padding (64 bytes, align 64), so
+                // `need` lines are `need * 16` initialised, aligned f32 borrowed exclusively.
+                let wide: &mut [f32] =
+                    unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut f32, need * PANEL) };
+                widen(w, p0, np, wide);
+                tiles(Some(wide));
+            });
+        }
+    };
+    if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
+        (0..groups).for_each(run);
+    } else {
+        (0..groups).into_par_iter().for_each(run);
+    }
+}
+
+/// Writes panels `p0..p0+np`' values as f32, `[pair][panel (of GROUP_PANELS)][even 16 | odd 16]`.
+fn widen(w: &PackedMatrix, p0: usize, np: usize, wide: &mut [f32]) {
+    let (cols, pairs) = (w.cols, w.pairs());
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 {
+        // SAFETY: the level was detected at run time; `wide` holds pairs × GROUP_PANELS × 32
+        // values and panels p0..p0+np exist.
+        unsafe { x86::widen_avx512(w, p0, np, wide) };
+        return;
+    }
+    for q in 0..pairs {
+        for i in 0..np {
+            let p = p0 + i;
+            let dst = &mut wide[(q * GROUP_PANELS + i) * 2 * PANEL..(q * GROUP_PANELS + i + 1) * 2 * PANEL];
+            let (we, wo) = dst.split_at_mut(PANEL);
+            match &w.data {
+                PackedData::Bf16(v) => {
+                    let base = (p * pairs + q) * PANEL * 2;
+                    for r in 0..PANEL {
+                        we[r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
+                        wo[r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
+                    }
+                }
+                PackedData::Mxfp4 { nibbles, scales } => {
+                    let base = (p * pairs + q) * PANEL;
+                    let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
+                    for r in 0..PANEL {
+                        let b = nibbles[base + r];
+                        let s = e8m0_to_f32(scales[sbase + r]);
+                        we[r] = E2M1[(b & 15) as usize] * s;
+                        wo[r] = E2M1[(b >> 4) as usize] * s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`tile`] over a widened group.
+fn tile_wide(
+    wide: &[f32],
+    cols: usize,
+    x: &[f32],
+    np: usize,
+    t0: usize,
+    nt: usize,
+    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+) {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; `wide` holds the group's pairs and tokens
+        // t0..t0+nt have `cols` values in x.
+        SimdLevel::Avx512 => unsafe { x86::tile_wide_avx512(wide, cols, x, np, t0, nt, acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; AVX2 + FMA detected.
+        SimdLevel::Avx2 => unsafe { x86::tile_wide_fma(wide, cols, x, np, t0, nt, acc) },
+        _ => tile_wide_generic(wide, cols, x, np, t0, nt, acc),
+    }
+}
+
+#[inline(always)]
+fn tile_wide_generic(
+    wide: &[f32],
+    cols: usize,
+    x: &[f32],
+    np: usize,
+    t0: usize,
+    nt: usize,
+    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+) {
+    for q in 0..cols.div_ceil(2) {
+        let odd = 2 * q + 1 < cols;
+        for j in 0..nt {
+            let xe = x[(t0 + j) * cols + 2 * q];
+            let xo = if odd { x[(t0 + j) * cols + 2 * q + 1] } else { 0.0 };
+            for (i, a) in acc.iter_mut().enumerate().take(np) {
+                let at = (q * GROUP_PANELS + i) * 2 * PANEL;
+                let (we, wo) = (&wide[at..at + PANEL], &wide[at + PANEL..at + 2 * PANEL]);
+                for r in 0..PANEL {
+                    let v = we[r].mul_add(xe, a[j][r]);
+                    a[j][r] = if odd { wo[r].mul_add(xo, v) } else { v };
+                }
+            }
+        }
+    }
+}
+
+/// Accumulates panels `p0..p0+np` × tokens `t0..t0+nt` into `acc[panel][token][lane]`.
+fn tile(
+    w: &PackedMatrix,
+    x: &[f32],
+    p0: usize,
+    np: usize,
+    t0: usize,
+    nt: usize,
+    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+) {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; `matmul` checked x's length, and p0, np, t0,
+        // nt lie inside the matrix and the batch.
+        SimdLevel::Avx512 => unsafe { x86::tile_avx512(w, x, p0, np, t0, nt, acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; AVX2 + FMA detected.
+        SimdLevel::Avx2 => unsafe { x86::tile_fma(w, x, p0, np, t0, nt, acc) },
+        _ => tile_generic(w, x, p0, np, t0, nt, acc),
+    }
+}
+
+/// The portable tile: the same chains as the SIMD ones (`mul_add` is one rounding, like FMA).
+#[inline(always)]
+fn tile_generic(
+    w: &PackedMatrix,
+    x: &[f32],
+    p0: usize,
+    np: usize,
+    t0: usize,
+    nt: usize,
+    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+) {
+    let (cols, pairs) = (w.cols, w.pairs());
+    let mut we = [[0f32; PANEL]; GROUP_PANELS];
+    let mut wo = [[0f32; PANEL]; GROUP_PANELS];
+    for q in 0..pairs {
+        for i in 0..np {
+            let p = p0 + i;
+            match &w.data {
+                PackedData::Bf16(v) => {
+                    let base = (p * pairs + q) * PANEL * 2;
+                    for r in 0..PANEL {
+                        we[i][r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
+                        wo[i][r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
+                    }
+                }
+                PackedData::Mxfp4 { nibbles, scales } => {
+                    let base = (p * pairs + q) * PANEL;
+                    let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
+                    for r in 0..PANEL {
+                        let b = nibbles[base + r];
+                        let s = e8m0_to_f32(scales[sbase + r]);
+                        we[i][r] = E2M1[(b & 15) as usize] * s;
+                        wo[i][r] = E2M1[(b >> 4) as usize] * s;
+                    }
+                }
+            }
+        }
+        let odd = 2 * q + 1 < cols;
+        for j in 0..nt {
+            let xe = x[(t0 + j) * cols + 2 * q];
+            let xo = if odd { x[(t0 + j) * cols + 2 * q + 1] } else { 0.0 };
+            for i in 0..np {
+                for r in 0..PANEL {
+                    let a = we[i][r].mul_add(xe, acc[i][j][r]);
+                    acc[i][j][r] = if odd { wo[i][r].mul_add(xo, a) } else { a };
+                }
+            }
+        }
+    }
+}
+
+// Register tiles are indexed by constant ranges so that they unroll into named registers.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, tile_generic, tile_wide_generic};
+    use crate::cpu::mxfp4::{E2M1, GROUP};
+
+    /// The portable tile compiled with FMA (so `mul_add` is one instruction) for AVX2 machines.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_fma(
+        w: &PackedMatrix,
+        x: &[f32],
+        p0: usize,
+        np: usize,
+        t0: usize,
+        nt: usize,
+        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        tile_generic(w, x, p0, np, t0, nt, acc)
+    }
+
+    /// [`tile_wide_generic`] compiled with FMA, for AVX2 machines.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_wide_fma(
+        wide: &[f32],
+        cols: usize,
+        x: &[f32],
+        np: usize,
+        t0: usize,
+        nt: usize,
+        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        tile_wide_generic(wide, cols, x, np, t0, nt, acc)
+    }
+
+    /// Decodes panels p0..p0+np into `wide` with the same instructions as the direct tiles.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen_avx512(w: &PackedMatrix, p0: usize, np: usize, wide: &mut [f32]) {
+        let (cols, pairs) = (w.cols, w.pairs());
+        let base = wide.as_mut_ptr();
+        let dst = |q: usize, i: usize| base.wrapping_add((q * GROUP_PANELS + i) * 2 * PANEL);
+        unsafe {
+            match &w.data {
+                PackedData::Bf16(v) => {
+                    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+                    for q in 0..pairs {
+                        for i in 0..np {
+                            let at = v.as_ptr().add(((p0 + i) * pairs + q) * PANEL * 2);
+                            let raw = _mm512_loadu_si512(at as *const __m512i);
+                            _mm512_storeu_ps(dst(q, i), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw)));
+                            _mm512_storeu_ps(dst(q, i).add(PANEL), _mm512_castsi512_ps(_mm512_and_si512(raw, high)));
+                        }
+                    }
+                }
+                PackedData::Mxfp4 { nibbles, scales } => {
+                    let lut = _mm512_loadu_ps(E2M1.as_ptr());
+                    let low = _mm512_set1_epi32(15);
+                    let groups = cols / GROUP;
+                    for i in 0..np {
+                        let mut scale = _mm512_setzero_ps();
+                        for q in 0..pairs {
+                            if (2 * q).is_multiple_of(GROUP) {
+                                let at = scales.as_ptr().add(((p0 + i) * groups + 2 * q / GROUP) * PANEL);
+                                scale = e8m0x16(_mm_loadu_si128(at as *const __m128i));
+                            }
+                            let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
+                            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                            let lo = _mm512_and_si512(b, low);
+                            let hi = _mm512_srli_epi32::<4>(b);
+                            _mm512_storeu_ps(dst(q, i), _mm512_mul_ps(_mm512_permutexvar_ps(lo, lut), scale));
+                            _mm512_storeu_ps(
+                                dst(q, i).add(PANEL),
+                                _mm512_mul_ps(_mm512_permutexvar_ps(hi, lut), scale),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile_wide_avx512(
+        wide: &[f32],
+        cols: usize,
+        x: &[f32],
+        np: usize,
+        t0: usize,
+        nt: usize,
+        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        macro_rules! dispatch {
+            ($($np:literal),*) => {
+                match np {
+                    $($np => match nt {
+                        1 => unsafe { wide_n::<$np, 1>(wide, cols, x, t0, acc) },
+                        2 => unsafe { wide_n::<$np, 2>(wide, cols, x, t0, acc) },
+                        3 => unsafe { wide_n::<$np, 3>(wide, cols, x, t0, acc) },
+                        _ => unsafe { wide_n::<$np, 4>(wide, cols, x, t0, acc) },
+                    },)*
+                    _ => unreachable!("panel group of {np}"),
+                }
+            };
+        }
+        dispatch!(1, 2, 3, 4)
+    }
+
+    /// SAFETY (caller): AVX-512F available; `wide` holds the group; tokens t0..t0+NT in `x`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn wide_n<const NP: usize, const NT: usize>(
+        wide: &[f32],
+        cols: usize,
+        x: &[f32],
+        t0: usize,
+        out: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NT]; NP];
+        let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
+        let full = cols / 2;
+        unsafe {
+            for q in 0..cols.div_ceil(2) {
+                let at = |i: usize| wide.as_ptr().add((q * GROUP_PANELS + i) * 2 * PANEL);
+                for j in 0..NT {
+                    let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                    for i in 0..NP {
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i)), xe, acc[i][j]);
+                    }
+                    if q < full {
+                        let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                        for i in 0..NP {
+                            acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i).add(PANEL)), xo, acc[i][j]);
+                        }
+                    }
+                }
+            }
+            for i in 0..NP {
+                for j in 0..NT {
+                    _mm512_storeu_ps(out[i][j].as_mut_ptr(), acc[i][j]);
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_avx512(
+        w: &PackedMatrix,
+        x: &[f32],
+        p0: usize,
+        np: usize,
+        t0: usize,
+        nt: usize,
+        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        // Fixed shapes let the accumulators live in registers; the tails pick smaller shapes.
+        macro_rules! dispatch {
+            ($($np:literal),*) => {
+                match np {
+                    $($np => match nt {
+                        1 => unsafe { tile_n::<$np, 1>(w, x, p0, t0, acc) },
+                        2 => unsafe { tile_n::<$np, 2>(w, x, p0, t0, acc) },
+                        3 => unsafe { tile_n::<$np, 3>(w, x, p0, t0, acc) },
+                        _ => unsafe { tile_n::<$np, 4>(w, x, p0, t0, acc) },
+                    },)*
+                    _ => unreachable!("panel group of {np}"),
+                }
+            };
+        }
+        dispatch!(1, 2, 3, 4)
+    }
+
+    /// SAFETY (caller): AVX-512F available; panels p0..p0+NP exist; tokens t0..t0+NT have `cols`
+    /// values each in `x`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_n<const NP: usize, const NT: usize>(
+        w: &PackedMatrix,
+        x: &[f32],
+        p0: usize,
+        t0: usize,
+        out: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+    ) {
+        let (cols, pairs) = (w.cols, w.pairs());
+        let mut acc = [[_mm512_setzero_ps(); NT]; NP];
+        let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
+        unsafe {
+            // A pair whose second column is padding multiplies its zero weight by x = 0 instead of
+            // reading past the row; skipping it keeps the chains equal to the portable tile.
+            let full = cols / 2;
+            match &w.data {
+                PackedData::Bf16(v) => {
+                    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+                    let at = |p: usize, q: usize| v.as_ptr().add(((p0 + p) * pairs + q) * PANEL * 2);
+                    for q in 0..pairs {
+                        let mut we = [_mm512_setzero_ps(); NP];
+                        let mut wo = [_mm512_setzero_ps(); NP];
+                        for i in 0..NP {
+                            let raw = _mm512_loadu_si512(at(i, q) as *const __m512i);
+                            we[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
+                            wo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+                        }
+                        for j in 0..NT {
+                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                            for i in 0..NP {
+                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                            }
+                            if q < full {
+                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                for i in 0..NP {
+                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                }
+                            }
+                        }
+                    }
+                }
+                PackedData::Mxfp4 { nibbles, scales } => {
+                    let lut = _mm512_loadu_ps(E2M1.as_ptr());
+                    let low = _mm512_set1_epi32(15);
+                    let groups = cols / GROUP;
+                    let mut scale = [_mm512_setzero_ps(); NP];
+                    for q in 0..pairs {
+                        if (2 * q).is_multiple_of(GROUP) {
+                            let g = 2 * q / GROUP;
+                            for (i, s) in scale.iter_mut().enumerate() {
+                                let at = scales.as_ptr().add(((p0 + i) * groups + g) * PANEL);
+                                *s = e8m0x16(_mm_loadu_si128(at as *const __m128i));
+                            }
+                        }
+                        let mut we = [_mm512_setzero_ps(); NP];
+                        let mut wo = [_mm512_setzero_ps(); NP];
+                        for i in 0..NP {
+                            let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
+                            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                            let lo = _mm512_and_si512(b, low);
+                            let hi = _mm512_srli_epi32::<4>(b);
+                            we[i] = _mm512_mul_ps(_mm512_permutexvar_ps(lo, lut), scale[i]);
+                            wo[i] = _mm512_mul_ps(_mm512_permutexvar_ps(hi, lut), scale[i]);
+                        }
+                        // MXFP4 columns come in groups of 32, so every pair is whole.
+                        for j in 0..NT {
+                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                            let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                            for i in 0..NP {
+                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                            }
+                        }
+                    }
+                }
+            }
+            for i in 0..NP {
+                for j in 0..NT {
+                    _mm512_storeu_ps(out[i][j].as_mut_ptr(), acc[i][j]);
+                }
+            }
+        }
+    }
+
+    /// 16 E8M0 bytes → 2^(b − 127) as f32, with the two special codes of `e8m0_to_f32`
+    /// (0 → 2^−127, a subnormal; 255 → NaN).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn e8m0x16(b: __m128i) -> __m512 {
+        let v = _mm512_cvtepu8_epi32(b);
+        let normal = _mm512_slli_epi32::<23>(v);
+        let zero = _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512());
+        let nan = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255));
+        let r = _mm512_mask_blend_epi32(zero, normal, _mm512_set1_epi32(0x0040_0000));
+        let r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0_0000));
+        _mm512_castsi512_ps(r)
+    }
+}
