@@ -247,6 +247,18 @@ impl Model {
     fn run_batch(
         &self,
         seqs: &mut [SeqInput<'_>],
+        trace: Option<&mut Trace>,
+        times: Option<&mut OpTimes>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        // The whole step runs on one of the pool's threads: every op's parallel split then starts
+        // inside the pool instead of handing work to it and sleeping until it is done, op by op
+        // (hundreds of wake-ups a step, measured as a sixth of a small model's serving time).
+        rayon::scope(|_| self.run_batch_in_pool(seqs, trace, times))
+    }
+
+    fn run_batch_in_pool(
+        &self,
+        seqs: &mut [SeqInput<'_>],
         mut trace: Option<&mut Trace>,
         times: Option<&mut OpTimes>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {

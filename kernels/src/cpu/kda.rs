@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, simd_level};
+use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, mul_exp_diff, simd_level};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -117,17 +117,17 @@ pub fn kda_chunk(
         }
         let gr = &gam[(b0 - 1) * dk..b0 * dk];
         s.kr.clear();
+        s.kr.resize(b0 * dk, 0.0);
         for j in 0..b0 {
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
-            s.kr.extend((0..dk).map(|c| kj[c] * (gr[c] - gj[c]).exp()));
+            mul_exp_diff(kj, gr, Some(gj), &mut s.kr[j * dk..(j + 1) * dk]);
         }
+        s.qs.resize(dk, 0.0);
+        s.ks.resize(dk, 0.0);
         for i in b0..b1 {
             let gi = &gam[i * dk..(i + 1) * dk];
-            s.qs.clear();
-            s.qs.extend((0..dk).map(|c| (gi[c] - gr[c]).exp()));
-            s.ks.clear();
-            s.ks.extend(s.qs.iter().zip(&k[i * dk..(i + 1) * dk]).map(|(e, k)| e * k));
-            s.qs.iter_mut().zip(&q[i * dk..(i + 1) * dk]).for_each(|(e, q)| *e *= q);
+            mul_exp_diff(&q[i * dk..(i + 1) * dk], gi, Some(gr), &mut s.qs);
+            mul_exp_diff(&k[i * dk..(i + 1) * dk], gi, Some(gr), &mut s.ks);
             for j in 0..b0 {
                 let kr = &s.kr[j * dk..(j + 1) * dk];
                 s.aqk[i * n + j] = dot(&s.qs, kr);
@@ -147,7 +147,8 @@ pub fn kda_chunk(
         let (done, rest) = s.delta.split_at_mut(i * dv);
         let di = &mut rest[..dv];
         di.copy_from_slice(&v[i * dv..(i + 1) * dv]);
-        s.tmp.iter_mut().zip(ki.iter().zip(gi)).for_each(|(t, (k, g))| *t = -(k * g.exp()));
+        mul_exp_diff(ki, gi, None, &mut s.tmp);
+        s.tmp.iter_mut().for_each(|t| *t = -*t);
         axpy_rows(&s.tmp, &state[..dk * dv], di);
         di.iter_mut().for_each(|x| *x *= beta[i]);
         s.coef.clear();
@@ -160,18 +161,27 @@ pub fn kda_chunk(
         let qi = &q[i * dk..(i + 1) * dk];
         let oi = &mut out[i * dv..(i + 1) * dv];
         oi.fill(0.0);
-        s.tmp.iter_mut().zip(qi.iter().zip(gi)).for_each(|(t, (q, g))| *t = q * g.exp());
+        mul_exp_diff(qi, gi, None, &mut s.tmp);
         axpy_rows(&s.tmp, &state[..dk * dv], oi);
         axpy_rows(&s.aqk[i * n..i * n + i + 1], &s.delta[..(i + 1) * dv], oi);
     }
     // S_C = diag(e^{Γ_C}) S₀ + Σ_i (k_i ⊙ e^{Γ_C − Γ_i}) Δ_iᵀ.
     let last = &gam[(n - 1) * dk..n * dk];
+    // k_i ⊙ e^{Γ_C − Γ_i} for every token, row by row (the columns are read below).
+    s.kr.clear();
+    s.kr.resize(n * dk, 0.0);
+    for i in 0..n {
+        mul_exp_diff(&k[i * dk..(i + 1) * dk], last, Some(&gam[i * dk..(i + 1) * dk]), &mut s.kr[i * dk..(i + 1) * dk]);
+    }
+    s.tmp.fill(1.0);
+    s.qs.resize(dk, 0.0);
+    mul_exp_diff(&s.tmp, last, None, &mut s.qs);
     for c in 0..dk {
         let row = &mut state[c * dv..(c + 1) * dv];
-        let d = last[c].exp();
+        let d = s.qs[c];
         row.iter_mut().for_each(|x| *x *= d);
         s.coef.clear();
-        s.coef.extend((0..n).map(|i| k[i * dk + c] * (last[c] - gam[i * dk + c]).exp()));
+        s.coef.extend((0..n).map(|i| s.kr[i * dk + c]));
         axpy_rows(&s.coef, &s.delta[..n * dv], row);
     }
 }

@@ -123,6 +123,26 @@ pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) 
     }
 }
 
+/// `out = x ⊙ e^{a − b}` (`b` absent: `e^a`), the KDA chunk form's decay factors.
+pub fn mul_exp_diff(x: &[f32], a: &[f32], b: Option<&[f32]>, out: &mut [f32]) {
+    let n = out.len();
+    assert!(x.len() >= n && a.len() >= n && b.is_none_or(|b| b.len() >= n), "mul_exp_diff: short input");
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; every input holds at least out.len() values.
+        SimdLevel::Avx512 => unsafe { x86::mul_exp_diff_avx512(x, a, b, out) },
+        _ => {
+            for c in 0..n {
+                let d = match b {
+                    Some(b) => a[c] - b[c],
+                    None => a[c],
+                };
+                out[c] = x[c] * d.exp();
+            }
+        }
+    }
+}
+
 /// Scalar dot with 8 independent partial sums (same association shape as the SIMD paths, and
 /// fast enough to be a fair fallback).
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
@@ -179,6 +199,25 @@ pub(crate) mod x86 {
                     acc = _mm512_fmadd_ps(_mm512_set1_ps(a), row, acc);
                 }
                 _mm512_mask_storeu_ps(y.as_mut_ptr().add(c), mask, acc);
+            }
+            c += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn mul_exp_diff_avx512(x: &[f32], a: &[f32], b: Option<&[f32]>, out: &mut [f32]) {
+        let n = out.len();
+        let mut c = 0;
+        while c < n {
+            let m: __mmask16 = if n - c >= 16 { 0xffff } else { ((1u32 << (n - c)) - 1) as __mmask16 };
+            // SAFETY: masked lanes c..min(c+16, n); the caller checked every slice holds n values.
+            unsafe {
+                let mut d = _mm512_maskz_loadu_ps(m, a.as_ptr().add(c));
+                if let Some(b) = b {
+                    d = _mm512_sub_ps(d, _mm512_maskz_loadu_ps(m, b.as_ptr().add(c)));
+                }
+                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x.as_ptr().add(c)), exp_avx512(d));
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, v);
             }
             c += 16;
         }
