@@ -4,6 +4,7 @@
 use kimi_kernels::Backend;
 
 use super::error::ModelError;
+use super::scratch::{Buf, Scratch};
 use super::weights::TensorSource;
 
 /// One mixing site (`self_attention_res`, `mlp_res` or `output_attn_res`).
@@ -22,8 +23,8 @@ impl ResMix {
 
     /// Mixes candidates (each `[tokens, d]`), per token: Σᵢ softmaxᵢ(⟨Vᵢ/rms(Vᵢ), query⟩) · Vᵢ.
     /// Mixes the candidates (`[tokens, d]` each) for every token of the step.
-    pub fn mix(&self, be: &dyn Backend, cands: &[&[f32]], tokens: usize) -> Vec<f32> {
-        let mut out = vec![0f32; tokens * self.query.len()];
+    pub fn mix<'s>(&self, be: &dyn Backend, sc: &'s Scratch, cands: &[&[f32]], tokens: usize) -> Buf<'s> {
+        let mut out = sc.for_overwrite(tokens * self.query.len());
         be.attn_res_mix(&self.query, self.eps, cands, &mut out);
         out
     }

@@ -19,6 +19,7 @@ use super::mlp::{Mlp, situ_params};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
 use super::profile::{Laps, OpKind, OpTimes};
+use super::scratch::{Buf, Scratch};
 use super::state::{KdaStateMut, LatentCache, LayerState, SequenceState, StateArenas};
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
@@ -61,6 +62,8 @@ pub struct Model {
     /// KDA slots and latent pages for states made by `new_state` (the engine brings its own
     /// fixed arenas).
     arenas: StateArenas,
+    /// The steps' activation buffers, reused from step to step.
+    scratch: Scratch,
     /// Keeps the memory maps alive for the weights' lifetime.
     _checkpoint: Option<Checkpoint>,
 }
@@ -118,8 +121,19 @@ impl Model {
         let situ = situ_params(c);
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
         let arenas = StateArenas::growable(c);
-        let mut model =
-            Model { config, embed, layers, output_res, norm, lm_head, situ, backend, arenas, _checkpoint: None };
+        let mut model = Model {
+            config,
+            embed,
+            layers,
+            output_res,
+            norm,
+            lm_head,
+            situ,
+            backend,
+            arenas,
+            scratch: Scratch::new(),
+            _checkpoint: None,
+        };
         model.prepare_weights();
         Ok(model)
     }
@@ -148,6 +162,11 @@ impl Model {
             }
         }
         weights.into_par_iter().for_each(|w| w.prepare(&*be));
+    }
+
+    /// The step buffers' pool (tests: a steady state creates no buffers).
+    pub fn scratch(&self) -> &Scratch {
+        &self.scratch
     }
 
     /// The backend the ops run on.
@@ -278,23 +297,24 @@ impl Model {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
         let be = &*self.backend;
+        let sc = &self.scratch;
         let shape = [tokens, d];
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.ids.iter().copied()).collect();
-        let mut h0 = vec![0f32; tokens * d];
+        let mut h0 = sc.for_overwrite(tokens * d);
         be.embedding(&self.embed.m(), &ids, &mut h0);
         laps.lap(OpKind::Embedding);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("embedding", &shape, &h0);
         }
 
-        let mut blocks: Vec<Vec<f32>> = Vec::new();
-        let mut partial: Option<Vec<f32>> = Some(h0);
+        let mut blocks: Vec<Buf<'_>> = Vec::new();
+        let mut partial: Option<Buf<'_>> = Some(h0);
         for (i, layer) in self.layers.iter().enumerate() {
             let mut tr = trace.as_deref_mut();
             // Attention site: mix banked blocks with the running partial sum (layer 0: embedding).
             let a = match (&partial, blocks.is_empty()) {
-                (Some(p), true) => p.clone(),
-                (p, _) => layer.attn_res.mix(be, &candidates(&blocks, p.as_ref()), tokens),
+                (Some(p), true) => sc.copy_of(p),
+                (p, _) => layer.attn_res.mix(be, sc, &candidates(&blocks, p.as_ref()), tokens),
             };
             if i % c.attn_res_block_size == 0
                 && let Some(p) = partial.take()
@@ -302,7 +322,7 @@ impl Model {
                 blocks.push(p);
             }
             laps.lap(OpKind::AttnRes);
-            let x = rms_norm(be, &a, &layer.input_norm, c.rms_norm_eps);
+            let x = rms_norm(be, sc, &a, &layer.input_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
             let u = match &layer.mixer {
                 Mixer::Kda(k) => {
@@ -310,7 +330,7 @@ impl Model {
                         .iter_mut()
                         .map(|s| s.state.kda_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
-                    k.forward(be, &x, &layout.spans, &mut states)
+                    k.forward(be, sc, &x, &layout.spans, &mut states)
                 }
                 Mixer::Mla(m) => {
                     let mut caches: Vec<&mut LatentCache> = seqs
@@ -320,7 +340,7 @@ impl Model {
                             _ => Err(ModelError::StateMismatch { layer: i }),
                         })
                         .collect::<Result<_, _>>()?;
-                    let (u, sel) = m.forward(be, &x, &layout, &mut caches)?;
+                    let (u, sel) = m.forward(be, sc, &x, &layout, &mut caches)?;
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }
@@ -329,21 +349,21 @@ impl Model {
             };
             laps.lap(if matches!(layer.mixer, Mixer::Kda(_)) { OpKind::Kda } else { OpKind::Mla });
             let p = match partial.take() {
-                None => u.clone(),
+                None => sc.copy_of(&u),
                 Some(mut p) => {
                     be.add(&mut p, &u);
                     p
                 }
             };
             laps.lap(OpKind::Other);
-            let m = layer.mlp_res.mix(be, &candidates(&blocks, Some(&p)), tokens);
+            let m = layer.mlp_res.mix(be, sc, &candidates(&blocks, Some(&p)), tokens);
             laps.lap(OpKind::AttnRes);
-            let f_in = rms_norm(be, &m, &layer.post_norm, c.rms_norm_eps);
+            let f_in = rms_norm(be, sc, &m, &layer.post_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(be, &f_in, tokens, self.situ),
+                Ffn::Dense(mlp) => mlp.forward(be, sc, &f_in, tokens, self.situ),
                 Ffn::Moe(moe) => {
-                    let (y, r) = moe.forward(be, &f_in, tokens, self.situ);
+                    let (y, r) = moe.forward(be, sc, &f_in, tokens, self.situ);
                     if let Some(tr) = tr.as_deref_mut() {
                         let e = r.scores.len() / tokens;
                         tr.i64(
@@ -377,9 +397,9 @@ impl Model {
             s.state.len += span.len;
         }
 
-        let final_mix = self.output_res.mix(be, &candidates(&blocks, partial.as_ref()), tokens);
+        let final_mix = self.output_res.mix(be, sc, &candidates(&blocks, partial.as_ref()), tokens);
         laps.lap(OpKind::AttnRes);
-        let hidden = rms_norm(be, &final_mix, &self.norm, c.rms_norm_eps);
+        let hidden = rms_norm(be, sc, &final_mix, &self.norm, c.rms_norm_eps);
         laps.lap(OpKind::Norm);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
@@ -396,12 +416,14 @@ impl Model {
             })
             .collect();
         let rows: usize = wanted.iter().map(|r| r.len()).sum();
-        let mut picked = Vec::with_capacity(rows * d);
+        let mut picked = sc.for_overwrite(rows * d);
+        let mut at = 0;
         for r in &wanted {
-            picked.extend_from_slice(&hidden[r.start * d..r.end * d]);
+            picked[at..at + r.len() * d].copy_from_slice(&hidden[r.start * d..r.end * d]);
+            at += r.len() * d;
         }
         laps.lap(OpKind::Other);
-        let logits = self.lm_head.matmul(be, &picked, rows);
+        let logits = self.lm_head.matmul(be, sc, &picked, rows);
         laps.lap(OpKind::LmHead);
         if let (Some(tr), [SeqInput { logits: LogitsFor::AllTokens, .. }]) = (trace, &*seqs) {
             tr.f32("logits", &[tokens, v], &logits);
@@ -416,8 +438,8 @@ impl Model {
     }
 }
 
-fn candidates<'a>(blocks: &'a [Vec<f32>], partial: Option<&'a Vec<f32>>) -> Vec<&'a [f32]> {
-    blocks.iter().map(|b| b.as_slice()).chain(partial.map(|p| p.as_slice())).collect()
+fn candidates<'a>(blocks: &'a [Buf<'_>], partial: Option<&'a Buf<'_>>) -> Vec<&'a [f32]> {
+    blocks.iter().map(|b| &b[..]).chain(partial.map(|p| &p[..])).collect()
 }
 
 /// `index.layer{i}.selected [T, topk]` (ascending, −1 padded) and `.scores [T, start+T]`.

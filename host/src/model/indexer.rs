@@ -8,6 +8,7 @@ pub use kimi_kernels::Selection;
 use super::config::IndexerConfig;
 use super::error::ModelError;
 use super::norm::layer_norm;
+use super::scratch::{Buf, Scratch};
 use super::weights::{TensorSource, Weight};
 
 pub struct Indexer {
@@ -48,8 +49,8 @@ impl Indexer {
     }
 
     /// Keys LayerNorm(wk x) for `tokens` new rows of the MLA input `x`, `[tokens, d_I]`.
-    pub fn keys(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Vec<f32> {
-        layer_norm(be, &self.wk.matmul(be, x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
+    pub fn keys<'s>(&self, be: &dyn Backend, sc: &'s Scratch, x: &[f32], tokens: usize) -> Buf<'s> {
+        layer_norm(be, sc, &self.wk.matmul(be, sc, x, tokens), &self.k_norm_w, &self.k_norm_b, 1e-6)
     }
 
     /// Selections for every row of a step: row t is the query of sequence `rows[t].0` at absolute
@@ -58,6 +59,7 @@ impl Indexer {
     pub fn select(
         &self,
         be: &dyn Backend,
+        sc: &Scratch,
         x: &[f32],
         c_q: &[f32],
         rows: &[(usize, usize)],
@@ -65,8 +67,8 @@ impl Indexer {
     ) -> Vec<Selection> {
         let (h, d) = (self.n_heads, self.head_dim);
         let tokens = rows.len();
-        let q = self.wq_b.matmul(be, c_q, tokens);
-        let w = self.weights_proj.matmul(be, x, tokens);
+        let q = self.wq_b.matmul(be, sc, c_q, tokens);
+        let w = self.weights_proj.matmul(be, sc, x, tokens);
         let wscale = 1.0 / ((h as f32).sqrt() * (d as f32).sqrt());
         be.indexer_topk(&q, &w, h, wscale, self.topk, rows, keys)
     }

@@ -6,6 +6,7 @@ use kimi_kernels::{Backend, KdaInputs, KdaParams, SeqSpan};
 
 use super::config::TextConfig;
 use super::error::ModelError;
+use super::scratch::{Buf, Scratch};
 use super::state::KdaStateMut;
 use super::weights::{TensorSource, Weight};
 
@@ -98,22 +99,32 @@ impl KdaLayer {
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
     /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
     /// convolution and the delta-rule core run per sequence, reading that sequence's state.
-    pub fn forward(&self, be: &dyn Backend, x: &[f32], spans: &[SeqSpan], states: &mut [KdaStateMut<'_>]) -> Vec<f32> {
+    pub fn forward<'s>(
+        &self,
+        be: &dyn Backend,
+        sc: &'s Scratch,
+        x: &[f32],
+        spans: &[SeqSpan],
+        states: &mut [KdaStateMut<'_>],
+    ) -> Buf<'s> {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
         let tokens: usize = spans.iter().map(|s| s.len).sum();
-        let mut branches =
-            [self.q_proj.matmul(be, x, tokens), self.k_proj.matmul(be, x, tokens), self.v_proj.matmul(be, x, tokens)];
+        let mut branches = [
+            self.q_proj.matmul(be, sc, x, tokens),
+            self.k_proj.matmul(be, sc, x, tokens),
+            self.v_proj.matmul(be, sc, x, tokens),
+        ];
         for (b, raw) in branches.iter_mut().enumerate() {
             let mut frames: Vec<&mut [f32]> = states.iter_mut().map(|s| s.conv_frames_mut(b)).collect();
             be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
         }
         let [q, kk, v] = branches;
-        let z = self.f_b.matmul(be, &self.f_a.matmul(be, x, tokens), tokens);
-        let beta_logits = self.b_proj.matmul(be, x, tokens);
+        let z = self.f_b.matmul(be, sc, &self.f_a.matmul(be, sc, x, tokens), tokens);
+        let beta_logits = self.b_proj.matmul(be, sc, x, tokens);
         let r = match &self.gate {
-            OutputGate::Full(g) => g.matmul(be, x, tokens),
-            OutputGate::LowRank(a, b) => b.matmul(be, &a.matmul(be, x, tokens), tokens),
+            OutputGate::Full(g) => g.matmul(be, sc, x, tokens),
+            OutputGate::LowRank(a, b) => b.matmul(be, sc, &a.matmul(be, sc, x, tokens), tokens),
         };
         let params = KdaParams {
             heads: h,
@@ -124,11 +135,11 @@ impl KdaLayer {
         };
         let inputs = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
         let mut slots: Vec<&mut [f32]> = states.iter_mut().map(|s| &mut *s.recurrent).collect();
-        let mut o = vec![0f32; tokens * p];
+        let mut o = sc.zeroed(tokens * p);
         be.kda_recurrence(&params, &inputs, spans, &mut slots, &mut o);
         // Sigmoid-gated RMSNorm per head, then o_proj.
-        let mut y = vec![0f32; tokens * p];
+        let mut y = sc.for_overwrite(tokens * p);
         be.gated_rms_norm(&o, &r, &self.o_norm, self.eps, &mut y);
-        self.o_proj.matmul(be, &y, tokens)
+        self.o_proj.matmul(be, sc, &y, tokens)
     }
 }

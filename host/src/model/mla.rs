@@ -10,6 +10,7 @@ use super::config::TextConfig;
 use super::error::ModelError;
 use super::indexer::Indexer;
 use super::norm::rms_norm;
+use super::scratch::{Buf, Scratch};
 use super::state::LatentCache;
 use super::weights::{TensorSource, Weight};
 
@@ -75,23 +76,27 @@ impl MlaLayer {
     /// `layout.spans[s]` and gains its rows. Projections run once over all T rows; each token
     /// attends over its own sequence's cache through its page table. Returns the layer output
     /// and, for K3.1, the indexer's selection per row; a full page arena is an error.
-    pub fn forward(
+    pub fn forward<'s>(
         &self,
         be: &dyn Backend,
+        sc: &'s Scratch,
         x: &[f32],
         layout: &BatchLayout,
         caches: &mut [&mut LatentCache],
-    ) -> Result<(Vec<f32>, Option<Vec<Selection>>), ModelError> {
+    ) -> Result<(Buf<'s>, Option<Vec<Selection>>), ModelError> {
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let width = r + dr;
         let tokens = layout.len();
 
-        let c_q = rms_norm(be, &self.q_a.matmul(be, x, tokens), &self.q_a_norm, LORA_NORM_EPS);
-        let q = self.q_b.matmul(be, &c_q, tokens);
-        let kv = self.kv_a.matmul(be, x, tokens);
-        let latent: Vec<f32> = kv.chunks_exact(width).flat_map(|row| row[..r].iter().copied()).collect();
-        let latent = rms_norm(be, &latent, &self.kv_a_norm, LORA_NORM_EPS);
-        let keys = self.indexer.as_ref().map(|ix| ix.keys(be, x, tokens));
+        let c_q = rms_norm(be, sc, &self.q_a.matmul(be, sc, x, tokens), &self.q_a_norm, LORA_NORM_EPS);
+        let q = self.q_b.matmul(be, sc, &c_q, tokens);
+        let kv = self.kv_a.matmul(be, sc, x, tokens);
+        let mut latent = sc.for_overwrite(tokens * r);
+        for (dst, row) in latent.chunks_exact_mut(r).zip(kv.chunks_exact(width)) {
+            dst.copy_from_slice(&row[..r]);
+        }
+        let latent = rms_norm(be, sc, &latent, &self.kv_a_norm, LORA_NORM_EPS);
+        let keys = self.indexer.as_ref().map(|ix| ix.keys(be, sc, x, tokens));
         for (span, cache) in layout.spans.iter().zip(caches.iter_mut()) {
             for t in span.rows() {
                 let key = keys.as_ref().map_or(&[][..], |k| &k[t * cache.index_dim..(t + 1) * cache.index_dim]);
@@ -101,21 +106,21 @@ impl MlaLayer {
         let rows: Vec<PagedRows<'_>> = caches.iter().map(|c| c.rows_view()).collect();
         let selections = self.indexer.as_ref().map(|ix| {
             let keys: Vec<PagedRows<'_>> = caches.iter().map(|c| c.keys_view()).collect();
-            ix.select(be, x, &c_q, &layout.tokens, &keys)
+            ix.select(be, sc, x, &c_q, &layout.tokens, &keys)
         });
 
         let w_kv = self.kv_b.m();
-        let mut q_abs = vec![0f32; tokens * h * width];
+        let mut q_abs = sc.zeroed(tokens * h * width);
         be.mla_absorb(&w_kv, h, dn, dv, tokens, &q, &mut q_abs);
-        let mut ctx = vec![0f32; tokens * h * r];
+        let mut ctx = sc.zeroed(tokens * h * r);
         let scale = 1.0 / ((dn + dr) as f32).sqrt();
         be.mla_attention(&q_abs, h, r, scale, &layout.tokens, &rows, selections.as_deref(), &mut ctx);
-        let mut o = vec![0f32; tokens * h * dv];
+        let mut o = sc.zeroed(tokens * h * dv);
         be.mla_lift(&w_kv, h, dn, dv, tokens, &ctx, &mut o);
         if let Some(g) = &self.g_proj {
-            let gate = g.matmul(be, x, tokens);
+            let gate = g.matmul(be, sc, x, tokens);
             be.sigmoid_mul(&mut o, &gate);
         }
-        Ok((self.o_proj.matmul(be, &o, tokens), selections))
+        Ok((self.o_proj.matmul(be, sc, &o, tokens), selections))
     }
 }

@@ -4,6 +4,7 @@ use kimi_kernels::{Backend, SituParams};
 
 use super::config::TextConfig;
 use super::error::ModelError;
+use super::scratch::{Buf, Scratch};
 use super::weights::{TensorSource, Weight};
 
 /// The SiTU activation's constants from the config: gate soft-cap β, optional up-branch cap.
@@ -32,10 +33,10 @@ impl Mlp {
         vec![&mut self.gate, &mut self.up, &mut self.down]
     }
 
-    pub fn forward(&self, be: &dyn Backend, x: &[f32], tokens: usize, act: SituParams) -> Vec<f32> {
-        let mut g = self.gate.matmul(be, x, tokens);
-        let u = self.up.matmul(be, x, tokens);
+    pub fn forward<'s>(&self, be: &dyn Backend, sc: &'s Scratch, x: &[f32], tokens: usize, act: SituParams) -> Buf<'s> {
+        let mut g = self.gate.matmul(be, sc, x, tokens);
+        let u = self.up.matmul(be, sc, x, tokens);
         be.situ_glu(&mut g, &u, act);
-        self.down.matmul(be, &g, tokens)
+        self.down.matmul(be, sc, &g, tokens)
     }
 }

@@ -10,6 +10,7 @@ use super::config::TextConfig;
 use super::error::ModelError;
 use super::mlp::Mlp;
 use super::norm::rms_norm;
+use super::scratch::{Buf, Scratch};
 use super::weights::{TensorSource, Weight};
 
 pub struct Expert {
@@ -65,8 +66,8 @@ impl MoeLayer {
         })
     }
 
-    pub fn route(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Routing {
-        let logits = self.gate.matmul(be, x, tokens);
+    pub fn route(&self, be: &dyn Backend, sc: &Scratch, x: &[f32], tokens: usize) -> Routing {
+        let logits = self.gate.matmul(be, sc, x, tokens);
         let p =
             RouterParams { bias: &self.bias, top_k: self.top_k, renormalize: self.renormalize, scaling: self.scaling };
         be.moe_route(&logits, tokens, &p)
@@ -85,23 +86,30 @@ impl MoeLayer {
     }
 
     /// x: `[tokens, d]` (post `post_attention_layernorm`).
-    pub fn forward(&self, be: &dyn Backend, x: &[f32], tokens: usize, act: SituParams) -> (Vec<f32>, Routing) {
-        let routing = self.route(be, x, tokens);
+    pub fn forward<'s>(
+        &self,
+        be: &dyn Backend,
+        sc: &'s Scratch,
+        x: &[f32],
+        tokens: usize,
+        act: SituParams,
+    ) -> (Buf<'s>, Routing) {
+        let routing = self.route(be, sc, x, tokens);
         let lat = self.down.rows;
-        let z = self.down.matmul(be, x, tokens);
+        let z = self.down.matmul(be, sc, x, tokens);
         let experts: Vec<ExpertMatrices<'_>> = self
             .experts
             .iter()
             .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
             .collect();
-        let mut y_lat = vec![0f32; tokens * lat];
+        let mut y_lat = sc.zeroed(tokens * lat);
         be.moe_experts(&experts, &routing, &z, act, &mut y_lat);
         if let Some(nw) = &self.norm {
-            y_lat = rms_norm(be, &y_lat, nw, self.eps);
+            y_lat = rms_norm(be, sc, &y_lat, nw, self.eps);
         }
-        let mut y = self.up.matmul(be, &y_lat, tokens);
+        let mut y = self.up.matmul(be, sc, &y_lat, tokens);
         if let Some(sh) = &self.shared {
-            let s = sh.forward(be, x, tokens, act);
+            let s = sh.forward(be, sc, x, tokens, act);
             be.add(&mut y, &s);
         }
         (y, routing)

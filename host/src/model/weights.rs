@@ -9,6 +9,7 @@ use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix, PackedMa
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
 use super::error::ModelError;
+use super::scratch::{Buf, Scratch};
 
 /// A weight matrix `[rows, cols]` in its stored format.
 pub struct Weight {
@@ -83,9 +84,9 @@ impl Weight {
         matches!(self.store, WeightStore::Mxfp4 { .. })
     }
 
-    /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`, on `be`.
-    pub fn matmul(&self, be: &dyn Backend, x: &[f32], tokens: usize) -> Vec<f32> {
-        let mut out = vec![0f32; tokens * self.rows];
+    /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`, on `be`, into a buffer from `sc`.
+    pub fn matmul<'s>(&self, be: &dyn Backend, sc: &'s Scratch, x: &[f32], tokens: usize) -> Buf<'s> {
+        let mut out = sc.for_overwrite(tokens * self.rows);
         be.matmul(&self.for_matmul(), x, tokens, &mut out);
         out
     }

@@ -146,3 +146,28 @@ fn a_sequence_in_a_mixed_batch_matches_itself_alone_k3_tiny_mxfp4() {
 fn a_sequence_in_a_mixed_batch_matches_itself_alone_k31_tiny_indexer() {
     check_model("k31-tiny-indexer", 3);
 }
+
+/// Steps of a shape seen before take every activation buffer from the model's pool: the second
+/// identical mixed step (a prefill chunk beside decodes) creates no new buffer.
+#[test]
+fn a_repeated_step_allocates_no_new_buffers() {
+    let g = Golden::open("k31-tiny-indexer");
+    let model = Model::load(&g.dir).expect("golden model loads");
+    let mut states: Vec<SequenceState> = (0..3).map(|_| model.new_state()).collect();
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 7 % 50) as u32 + 1).collect();
+    let mut created = Vec::new();
+    for round in 0..3 {
+        let (a, rest) = states.split_at_mut(1);
+        let (b, c) = rest.split_at_mut(1);
+        let chunk = &prompt[round * 8..round * 8 + 8];
+        let mut batch = [
+            SeqInput { ids: chunk, state: &mut a[0], logits: LogitsFor::LastToken },
+            SeqInput { ids: &[5], state: &mut b[0], logits: LogitsFor::LastToken },
+            SeqInput { ids: &[9], state: &mut c[0], logits: LogitsFor::LastToken },
+        ];
+        model.forward_batch(&mut batch, None).expect("step runs");
+        created.push(model.scratch().created());
+    }
+    assert!(created[0] > 0, "the first step fills the pool");
+    assert_eq!(created[1], created[2], "a repeated step created buffers: {created:?}");
+}
