@@ -403,9 +403,11 @@ fn the_soak_under_faults_passes() {
 #[test]
 fn a_queued_stream_gets_keepalives() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let extra = "[http]\nsse_keepalive_ms = 300\n[engine]\nmax_seqs = 1\nqueue_timeout_ms = 60000\n";
+    let extra = "[http]\nsse_keepalive_ms = 100\n[engine]\nmax_seqs = 1\nqueue_timeout_ms = 60000\n";
     let (_server, addr) = start(dir.path(), extra);
-    // One long request holds the only sequence slot (EOS `<|end_of_msg|>` = 258 is banned).
+    // One long request holds the only sequence slot (EOS `<|end_of_msg|>` = 258 is banned). The
+    // stream must stay queued past one keep-alive interval to start and another to get a comment:
+    // 100 ms intervals, as 3000 tokens take only ~0.6 s since a token decodes in ~0.2 ms.
     let long = chat(json!({"max_tokens": 3000, "temperature": 0, "logit_bias": {"258": -100}}));
     let holder = std::thread::spawn(move || request(addr, "POST", "/v1/chat/completions", None, Some(&long)));
     // Send the stream only once the holder runs: under load its preparation can outlast any fixed
