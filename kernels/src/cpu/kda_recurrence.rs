@@ -1,6 +1,10 @@
 //! KDA's delta rule over a step's batch (spec §2.4): gates, β and the normalised q / k per
 //! (sequence, head), then the recurrent step (one token) or the chunked form (a prefill chunk) on
-//! that sequence's recurrent slot. One rayon job per (sequence, head): each owns its head's matrix.
+//! that sequence's recurrent slot. One rayon job per (sequence, head): each owns its head's matrix
+//! and writes its own (token, head) slices of the output; its gathered inputs live in buffers the
+//! worker thread keeps from job to job.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 
@@ -8,6 +12,40 @@ use super::elementwise::sigmoid;
 use super::kda::{kda_prefill, kda_step};
 use super::norm::l2_normalize;
 use crate::backend::{KdaInputs, KdaParams, SeqSpan};
+
+/// One job's gathered head inputs (`[n, K]` each, β `[n]`) and output `[n, V]`.
+#[derive(Default)]
+struct HeadBuffers {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    o: Vec<f32>,
+}
+
+thread_local! {
+    static HEAD: RefCell<HeadBuffers> = RefCell::new(HeadBuffers::default());
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every job writes only its own (token, head) slices of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// A method, so closures capture the whole `Send` wrapper rather than its raw field.
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+fn resized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
 
 pub fn kda_recurrence(
     p: &KdaParams<'_>,
@@ -18,6 +56,8 @@ pub fn kda_recurrence(
 ) {
     let (h, k) = (p.heads, p.head_dim);
     let width = h * k;
+    let tokens: usize = spans.iter().map(|s| s.len).sum();
+    assert!(out.len() >= tokens * width, "kda_recurrence: out has {} values", out.len());
     let jobs: Vec<(SeqSpan, usize, &mut [f32])> = spans
         .iter()
         .zip(slots.iter_mut())
@@ -26,15 +66,18 @@ pub fn kda_recurrence(
         .collect();
     let scale = 1.0 / (k as f32).sqrt();
     let lb = p.lower_bound;
-    let outs: Vec<(SeqSpan, usize, Vec<f32>)> = jobs
-        .into_par_iter()
-        .map(|(span, hh, s)| {
+    let ptr = OutPtr(out.as_mut_ptr());
+    jobs.into_par_iter().for_each(|(span, hh, s)| {
+        HEAD.with(|b| {
+            let b = &mut *b.borrow_mut();
             let n = span.len;
-            let mut qh = vec![0f32; n * k];
-            let mut kh = vec![0f32; n * k];
-            let mut vh = vec![0f32; n * k];
-            let mut gh = vec![0f32; n * k];
-            let mut bh = vec![0f32; n];
+            let (qh, kh, vh, gh) = (
+                resized(&mut b.q, n * k),
+                resized(&mut b.k, n * k),
+                resized(&mut b.v, n * k),
+                resized(&mut b.g, n * k),
+            );
+            let bh = resized(&mut b.beta, n);
             for i in 0..n {
                 let t = span.start + i;
                 let src = t * width + hh * k..t * width + (hh + 1) * k;
@@ -51,19 +94,18 @@ pub fn kda_recurrence(
                 }
                 bh[i] = sigmoid(x.beta_logits[t * h + hh]);
             }
-            let mut o = vec![0f32; n * k];
+            let o = resized(&mut b.o, n * k);
             if n == 1 {
-                kda_step(s, &qh, &kh, &vh, &gh, bh[0], &mut o);
+                kda_step(s, qh, kh, vh, gh, bh[0], o);
             } else {
-                kda_prefill(s, &qh, &kh, &vh, &gh, &bh, &mut o, k, k);
+                kda_prefill(s, qh, kh, vh, gh, bh, o, k, k);
             }
-            (span, hh, o)
-        })
-        .collect();
-    for (span, hh, o) in &outs {
-        for i in 0..span.len {
-            let base = (span.start + i) * width + hh * k;
-            out[base..base + k].copy_from_slice(&o[i * k..(i + 1) * k]);
-        }
-    }
+            for i in 0..n {
+                let at = (span.start + i) * width + hh * k;
+                // SAFETY: span.start + i < tokens and the assert above gives out ≥ tokens × width
+                // values; this job alone writes head hh of its sequence's tokens.
+                unsafe { std::ptr::copy_nonoverlapping(o[i * k..(i + 1) * k].as_ptr(), ptr.at(at), k) };
+            }
+        });
+    });
 }
