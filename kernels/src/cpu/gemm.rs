@@ -9,6 +9,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::bf16::dot4_bf16;
+use super::disjoint::DisjointOut;
 use super::simd::{self, SimdLevel, simd_level};
 use crate::Matrix;
 
@@ -18,12 +19,6 @@ const SERIAL_WORK: usize = 1 << 16;
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of output columns (its own rows of W).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     if let Matrix::Packed(p) = w {
@@ -41,7 +36,8 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     }
     let work = rows * cols * tokens;
     let threads = rayon::current_num_threads().max(1);
-    let ptr = OutPtr(out.as_mut_ptr());
+    // Every task writes a disjoint set of output columns (its own rows of W).
+    let ptr = DisjointOut::new(out);
     if work < SERIAL_WORK || threads == 1 {
         compute_rows(w, x, tokens, 0, rows, ptr);
         return;
@@ -55,12 +51,12 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     });
 }
 
-fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out: OutPtr) {
+fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out: DisjointOut) {
     let rows = w.rows();
     let cols = w.cols();
     let store = |t: usize, r: usize, v: f32| {
         // SAFETY: t < tokens and r0 <= r < r1 <= rows; rows r0..r1 belong to this task only.
-        unsafe { *out.0.add(t * rows + r) = v };
+        unsafe { *out.at(t * rows + r) = v };
     };
     if let (Matrix::Bf16(m), 1) = (w, tokens) {
         let mut r = r0;

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::disjoint::DisjointOut;
 use super::elementwise::sigmoid;
 use super::kda::{kda_prefill, kda_step};
 use super::norm::l2_normalize;
@@ -26,19 +27,6 @@ struct HeadBuffers {
 
 thread_local! {
     static HEAD: RefCell<HeadBuffers> = RefCell::new(HeadBuffers::default());
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every job writes only its own (token, head) slices of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// A method, so closures capture the whole `Send` wrapper rather than its raw field.
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
 }
 
 fn resized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -66,7 +54,8 @@ pub fn kda_recurrence(
         .collect();
     let scale = 1.0 / (k as f32).sqrt();
     let lb = p.lower_bound;
-    let ptr = OutPtr(out.as_mut_ptr());
+    // Every job writes only its own (token, head) slices of the output.
+    let ptr = DisjointOut::new(out);
     jobs.into_par_iter().for_each(|(span, hh, s)| {
         HEAD.with(|b| {
             let b = &mut *b.borrow_mut();

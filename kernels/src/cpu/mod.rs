@@ -7,6 +7,7 @@
 pub mod attn_res;
 pub mod backend;
 pub mod bf16;
+pub mod disjoint;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;

@@ -13,6 +13,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::disjoint::DisjointOut;
 use super::mxfp4::{E2M1, GROUP, Mxfp4Matrix, e8m0_to_f32};
 use super::simd::{SimdLevel, simd_level};
 use crate::Matrix;
@@ -143,19 +144,6 @@ fn mxfp4_row<'a>(q: &Mxfp4Matrix<'a>, r: usize) -> (&'a [u8], &'a [u8]) {
     (&q.packed[r * pb..(r + 1) * pb], &q.scales[r * sb..(r + 1) * sb])
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of output columns (its own panel group's rows).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// A method, so closures capture the whole `Send` wrapper rather than its raw field.
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]`, each output one multiply-add chain over `c` in order.
 pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
@@ -165,7 +153,8 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
         return;
     }
     let groups = w.panels().div_ceil(GROUP_PANELS);
-    let ptr = OutPtr(out.as_mut_ptr());
+    // Every task writes a disjoint set of output columns (its own panel group's rows).
+    let ptr = DisjointOut::new(out);
     let run = |g: usize| {
         let p0 = g * GROUP_PANELS;
         let np = GROUP_PANELS.min(w.panels() - p0);
@@ -219,7 +208,7 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
 
 /// Writes panels `p0..p0+np`' values as f32, `[pair][panel (of GROUP_PANELS)][even 16 | odd 16]`.
 fn widen(w: &PackedMatrix, p0: usize, np: usize, wide: &mut [f32]) {
-    let (cols, pairs) = (w.cols, w.pairs());
+    let pairs = w.pairs();
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 {
         // SAFETY: the level was detected at run time; `wide` holds pairs × GROUP_PANELS × 32
@@ -229,27 +218,32 @@ fn widen(w: &PackedMatrix, p0: usize, np: usize, wide: &mut [f32]) {
     }
     for q in 0..pairs {
         for i in 0..np {
-            let p = p0 + i;
             let dst = &mut wide[(q * GROUP_PANELS + i) * 2 * PANEL..(q * GROUP_PANELS + i + 1) * 2 * PANEL];
             let (we, wo) = dst.split_at_mut(PANEL);
-            match &w.data {
-                PackedData::Bf16(v) => {
-                    let base = (p * pairs + q) * PANEL * 2;
-                    for r in 0..PANEL {
-                        we[r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
-                        wo[r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
-                    }
-                }
-                PackedData::Mxfp4 { nibbles, scales } => {
-                    let base = (p * pairs + q) * PANEL;
-                    let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
-                    for r in 0..PANEL {
-                        let b = nibbles[base + r];
-                        let s = e8m0_to_f32(scales[sbase + r]);
-                        we[r] = E2M1[(b & 15) as usize] * s;
-                        wo[r] = E2M1[(b >> 4) as usize] * s;
-                    }
-                }
+            decode_pair(w, p0 + i, q, we, wo);
+        }
+    }
+}
+
+/// Panel `p`'s values of column pair `q`: even columns into `we`, odd into `wo` (16 each).
+fn decode_pair(w: &PackedMatrix, p: usize, q: usize, we: &mut [f32], wo: &mut [f32]) {
+    let (cols, pairs) = (w.cols, w.pairs());
+    match &w.data {
+        PackedData::Bf16(v) => {
+            let base = (p * pairs + q) * PANEL * 2;
+            for r in 0..PANEL {
+                we[r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
+                wo[r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
+            }
+        }
+        PackedData::Mxfp4 { nibbles, scales } => {
+            let base = (p * pairs + q) * PANEL;
+            let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
+            for r in 0..PANEL {
+                let b = nibbles[base + r];
+                let s = e8m0_to_f32(scales[sbase + r]);
+                we[r] = E2M1[(b & 15) as usize] * s;
+                wo[r] = E2M1[(b >> 4) as usize] * s;
             }
         }
     }
@@ -342,26 +336,7 @@ fn tile_generic(
     let mut wo = [[0f32; PANEL]; GROUP_PANELS];
     for q in 0..pairs {
         for i in 0..np {
-            let p = p0 + i;
-            match &w.data {
-                PackedData::Bf16(v) => {
-                    let base = (p * pairs + q) * PANEL * 2;
-                    for r in 0..PANEL {
-                        we[i][r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
-                        wo[i][r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
-                    }
-                }
-                PackedData::Mxfp4 { nibbles, scales } => {
-                    let base = (p * pairs + q) * PANEL;
-                    let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
-                    for r in 0..PANEL {
-                        let b = nibbles[base + r];
-                        let s = e8m0_to_f32(scales[sbase + r]);
-                        we[i][r] = E2M1[(b & 15) as usize] * s;
-                        wo[i][r] = E2M1[(b >> 4) as usize] * s;
-                    }
-                }
-            }
+            decode_pair(w, p0 + i, q, &mut we[i], &mut wo[i]);
         }
         let odd = 2 * q + 1 < cols;
         for j in 0..nt {
@@ -385,6 +360,31 @@ mod x86 {
 
     use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, tile_generic, tile_wide_generic};
     use crate::cpu::mxfp4::{E2M1, GROUP};
+
+    /// Calls `$f::<NP, NT>(args)` for the run-time panel and token counts: fixed shapes let the
+    /// accumulators live in registers, and the tails of a matrix or a batch pick smaller ones.
+    macro_rules! by_shape {
+        ($f:ident, $np:expr, $nt:expr, ($($arg:expr),*)) => {
+            match ($np, $nt) {
+                (1, 1) => $f::<1, 1>($($arg),*),
+                (1, 2) => $f::<1, 2>($($arg),*),
+                (1, 3) => $f::<1, 3>($($arg),*),
+                (1, _) => $f::<1, 4>($($arg),*),
+                (2, 1) => $f::<2, 1>($($arg),*),
+                (2, 2) => $f::<2, 2>($($arg),*),
+                (2, 3) => $f::<2, 3>($($arg),*),
+                (2, _) => $f::<2, 4>($($arg),*),
+                (3, 1) => $f::<3, 1>($($arg),*),
+                (3, 2) => $f::<3, 2>($($arg),*),
+                (3, 3) => $f::<3, 3>($($arg),*),
+                (3, _) => $f::<3, 4>($($arg),*),
+                (4, 1) => $f::<4, 1>($($arg),*),
+                (4, 2) => $f::<4, 2>($($arg),*),
+                (4, 3) => $f::<4, 3>($($arg),*),
+                (_, _) => $f::<4, 4>($($arg),*),
+            }
+        };
+    }
 
     /// The portable tile compiled with FMA (so `mul_add` is one instruction) for AVX2 machines.
     #[target_feature(enable = "avx2,fma")]
@@ -471,20 +471,8 @@ mod x86 {
         nt: usize,
         acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
     ) {
-        macro_rules! dispatch {
-            ($($np:literal),*) => {
-                match np {
-                    $($np => match nt {
-                        1 => unsafe { wide_n::<$np, 1>(wide, cols, x, t0, acc) },
-                        2 => unsafe { wide_n::<$np, 2>(wide, cols, x, t0, acc) },
-                        3 => unsafe { wide_n::<$np, 3>(wide, cols, x, t0, acc) },
-                        _ => unsafe { wide_n::<$np, 4>(wide, cols, x, t0, acc) },
-                    },)*
-                    _ => unreachable!("panel group of {np}"),
-                }
-            };
-        }
-        dispatch!(1, 2, 3, 4)
+        // SAFETY: forwarded from the caller.
+        unsafe { by_shape!(wide_n, np, nt, (wide, cols, x, t0, acc)) }
     }
 
     /// SAFETY (caller): AVX-512F available; `wide` holds the group; tokens t0..t0+NT in `x`.
@@ -533,21 +521,8 @@ mod x86 {
         nt: usize,
         acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
     ) {
-        // Fixed shapes let the accumulators live in registers; the tails pick smaller shapes.
-        macro_rules! dispatch {
-            ($($np:literal),*) => {
-                match np {
-                    $($np => match nt {
-                        1 => unsafe { tile_n::<$np, 1>(w, x, p0, t0, acc) },
-                        2 => unsafe { tile_n::<$np, 2>(w, x, p0, t0, acc) },
-                        3 => unsafe { tile_n::<$np, 3>(w, x, p0, t0, acc) },
-                        _ => unsafe { tile_n::<$np, 4>(w, x, p0, t0, acc) },
-                    },)*
-                    _ => unreachable!("panel group of {np}"),
-                }
-            };
-        }
-        dispatch!(1, 2, 3, 4)
+        // SAFETY: forwarded from the caller.
+        unsafe { by_shape!(tile_n, np, nt, (w, x, p0, t0, acc)) }
     }
 
     /// SAFETY (caller): AVX-512F available; panels p0..p0+NP exist; tokens t0..t0+NT have `cols`
