@@ -3,6 +3,7 @@
 //! calls, no fresh pages to fault in and clear).
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -11,7 +12,7 @@ use parking_lot::Mutex;
 pub struct Scratch {
     free: Mutex<Vec<Vec<f32>>>,
     /// Vectors created because none free was large enough (a steady state adds none).
-    created: Mutex<usize>,
+    created: AtomicUsize,
 }
 
 /// A borrowed buffer; it goes back to its [`Scratch`] when dropped.
@@ -55,7 +56,7 @@ impl Scratch {
 
     /// How many vectors the pool has had to create so far.
     pub fn created(&self) -> usize {
-        *self.created.lock()
+        self.created.load(Ordering::Relaxed)
     }
 
     fn take(&self, n: usize) -> Vec<f32> {
@@ -65,7 +66,7 @@ impl Scratch {
             Some(i) => free.swap_remove(i),
             None => {
                 drop(free);
-                *self.created.lock() += 1;
+                self.created.fetch_add(1, Ordering::Relaxed);
                 Vec::with_capacity(n)
             }
         }
