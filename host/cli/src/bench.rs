@@ -1,6 +1,7 @@
 //! `kimi-host bench forward`: prefill and decode speed of the CPU engine, with this machine's
-//! measured memory read bandwidth in the same run as the baseline (decode is bandwidth-bound, so
-//! "effective weight bandwidth ÷ measured bandwidth" is the figure of merit).
+//! measured memory read bandwidth and f32 matrix-product peak in the same run as baselines: small
+//! batches are bandwidth-bound ("effective weight bandwidth ÷ measured bandwidth"), large ones
+//! compute-bound ("matrix-product GFLOP/s ÷ measured peak").
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -33,6 +34,12 @@ pub struct ForwardBench {
     pub effective_weight_gb_per_s: f64,
     pub measured_read_gb_per_s: f64,
     pub decode_bandwidth_ratio: f64,
+    /// f32 GFLOP/s of the CPU backend's own product on a 1024 × 2048 BF16 weight and 64 tokens
+    /// (best of three): the compute roof a large batch meets.
+    pub measured_matmul_gflop_per_s: f64,
+    /// 2 × the multiply-adds of one token's matrix products (every weight but the embedding
+    /// table, top-k/E of the routed experts); attention and the KDA recurrence are not counted.
+    pub matmul_flops_per_token: f64,
     /// One row per `--batch` size, all in this run.
     pub batches: Vec<BatchRun>,
 }
@@ -49,6 +56,10 @@ pub struct BatchRun {
     pub weight_bytes_per_step: u64,
     pub effective_weight_gb_per_s: f64,
     pub bandwidth_ratio: f64,
+    /// Matrix-product GFLOP/s of the step (`matmul_flops_per_token` × tokens/s) and its share of
+    /// the measured peak.
+    pub matmul_gflop_per_s: f64,
+    pub peak_ratio: f64,
     /// Aggregate decode tokens/s over the first batch size's.
     pub speedup: f64,
     /// Share of the decode steps' wall time per kind of op (`kda`, `moe`, `lm_head`, …).
@@ -67,6 +78,54 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
         best = best.max(bytes as f64 / secs / 1e9);
     }
     best
+}
+
+/// Best-of-3 f32 GFLOP/s of the CPU backend's product over a packed 1024 × 2048 BF16 weight and
+/// 64 tokens.
+pub fn measure_matmul_peak() -> f64 {
+    use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix};
+    let (rows, cols, tokens) = (1024, 2048, 64);
+    let w: Vec<u16> = (0..rows * cols).map(|i| 0x3c00 + (i * 7919 % 1024) as u16).collect();
+    let Some(packed) = CpuBackend.prepare_matrix(&Matrix::Bf16(Bf16Matrix::new(&w, rows, cols))) else {
+        return 0.0;
+    };
+    let m = Matrix::Packed(&packed);
+    let x: Vec<f32> = (0..tokens * cols).map(|i| (i % 97) as f32 / 97.0 - 0.5).collect();
+    let mut out = vec![0f32; tokens * rows];
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..8 {
+            CpuBackend.matmul(&m, &x, tokens, &mut out);
+        }
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(&out);
+        best = best.max(8.0 * 2.0 * (rows * cols * tokens) as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// (non-routed, routed-expert) values multiplied per token's pass over every matrix (the
+/// embedding table and 1-D tensors left out; an MXFP4 byte holds two values, its scales none).
+fn matmul_params(dir: &Path) -> Result<(u64, u64), ModelError> {
+    let ck = Checkpoint::open(dir)?;
+    let (mut dense, mut routed) = (0u64, 0u64);
+    for (name, info) in ck.tensors() {
+        if name.contains("embed_tokens") || info.shape.len() != 2 || name.ends_with("weight_scale") {
+            continue;
+        }
+        let values = if name.ends_with("weight_packed") {
+            2 * info.nbytes() as u64
+        } else {
+            info.shape.iter().product::<usize>() as u64
+        };
+        if name.contains(".experts.") {
+            routed += values;
+        } else {
+            dense += values;
+        }
+    }
+    Ok((dense, routed))
 }
 
 /// (non-routed weight bytes without the embedding table, routed expert bytes).
@@ -159,6 +218,11 @@ pub fn bench_forward(
     let prefill = t.elapsed().as_secs_f64();
     let bw = measure_read_bandwidth(1 << 29);
     let (dense, routed) = weight_bytes(dir)?;
+    let peak = measure_matmul_peak();
+    let (dense_values, routed_values) = matmul_params(dir)?;
+    let per_token_values =
+        dense_values as f64 + routed_values as f64 * c.experts_per_token as f64 / c.num_experts.max(1) as f64;
+    let flops_per_token = 2.0 * per_token_values;
     let batches = if batches.is_empty() { &[1][..] } else { batches };
     let mut runs: Vec<BatchRun> = Vec::new();
     for &b in batches {
@@ -169,6 +233,7 @@ pub fn bench_forward(
         let steps_per_s = if decode > 0 { decode as f64 / secs } else { 0.0 };
         let eff = bytes as f64 * steps_per_s / 1e9;
         let speedup = runs.first().map_or(1.0, |f| tps / f.decode_tokens_per_s.max(1e-12));
+        let gflops = flops_per_token * tps / 1e9;
         runs.push(BatchRun {
             batch: b,
             decode_seconds: secs,
@@ -176,6 +241,8 @@ pub fn bench_forward(
             weight_bytes_per_step: bytes,
             effective_weight_gb_per_s: eff,
             bandwidth_ratio: eff / bw,
+            matmul_gflop_per_s: gflops,
+            peak_ratio: if peak > 0.0 { gflops / peak } else { 0.0 },
             speedup,
             op_shares: times.shares().into_iter().map(|(k, v)| (k.name(), v)).collect(),
         });
@@ -197,6 +264,8 @@ pub fn bench_forward(
         effective_weight_gb_per_s: first_eff,
         measured_read_gb_per_s: bw,
         decode_bandwidth_ratio: first_eff / bw,
+        measured_matmul_gflop_per_s: peak,
+        matmul_flops_per_token: flops_per_token,
         batches: runs,
     })
 }
@@ -216,8 +285,12 @@ impl std::fmt::Display for ForwardBench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "simd {} · {} threads · measured read bandwidth {:.2} GB/s",
-            self.simd, self.threads, self.measured_read_gb_per_s
+            "simd {} · {} threads · measured read bandwidth {:.2} GB/s · measured f32 matmul peak {:.1} GFLOP/s · {:.2} GFLOP a token",
+            self.simd,
+            self.threads,
+            self.measured_read_gb_per_s,
+            self.measured_matmul_gflop_per_s,
+            self.matmul_flops_per_token / 1e9
         )?;
         writeln!(
             f,
@@ -230,17 +303,19 @@ impl std::fmt::Display for ForwardBench {
             "decode {} steps after a {}-token prompt, every batch size in this run:",
             self.decode_steps, self.prompt_len
         )?;
-        writeln!(f, "  batch   tokens/s   ms/step   weights/step   GB/s   ÷bandwidth   ×first")?;
+        writeln!(f, "  batch   tokens/s   ms/step   weights/step   GB/s   ÷bandwidth   GFLOP/s   ÷peak   ×first")?;
         for r in &self.batches {
             writeln!(
                 f,
-                "  {:>5} {:>10.2} {:>9.2} {:>11.2} MB {:>6.2} {:>11.3} {:>8.2}",
+                "  {:>5} {:>10.2} {:>9.2} {:>11.2} MB {:>6.2} {:>11.3} {:>9.1} {:>7.3} {:>8.2}",
                 r.batch,
                 r.decode_tokens_per_s,
                 1e3 * r.decode_seconds / self.decode_steps.max(1) as f64,
                 r.weight_bytes_per_step as f64 / 1e6,
                 r.effective_weight_gb_per_s,
                 r.bandwidth_ratio,
+                r.matmul_gflop_per_s,
+                r.peak_ratio,
                 r.speedup
             )?;
         }

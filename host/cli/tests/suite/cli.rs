@@ -167,6 +167,7 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
     assert_eq!(batches.iter().map(|b| b["batch"].as_u64()).collect::<Vec<_>>(), [Some(1), Some(3)]);
     for b in batches {
         assert!(b["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
+        assert!(b["peak_ratio"].as_f64().is_some_and(|x| x > 0.0), "compute share of the measured peak");
         let shares = b["op_shares"].as_object().expect("op shares");
         let sum: f64 = shares.values().filter_map(|x| x.as_f64()).sum();
         assert!((sum - 1.0).abs() < 1e-6, "shares add up to the step: {sum}");
