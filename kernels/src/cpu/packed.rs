@@ -165,7 +165,7 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
                 let mut acc = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
                 match wide {
                     Some(wide) => tile_wide(wide, cols, x, np, t, nt, &mut acc),
-                    None => tile(w, x, p0, np, t, nt, &mut acc),
+                    None => tile_direct(w, x, p0, np, t, nt, &mut acc),
                 }
                 for (i, panel) in acc.iter().enumerate().take(np) {
                     let r0 = (p0 + i) * PANEL;
@@ -179,11 +179,12 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
                 t += nt;
             }
         };
-        if tokens < WIDEN_FROM {
-            // Few token tiles: decode in registers as they go.
+        if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 {
+            // Few token tiles on AVX-512: decode in registers as they go.
             tiles(None);
         } else {
-            // Widen the group once, so the tiles only multiply (same values, so same chains).
+            // Widen the group once, so the tiles only multiply (same values, so same chains; the
+            // other SIMD levels always take this path).
             WIDE.with(|s| {
                 let mut lines = s.borrow_mut();
                 let need = w.pairs() * GROUP_PANELS * 2;
@@ -298,8 +299,9 @@ fn tile_wide_generic(
     }
 }
 
-/// Accumulates panels `p0..p0+np` × tokens `t0..t0+nt` into `acc[panel][token][lane]`.
-fn tile(
+/// Accumulates panels `p0..p0+np` × tokens `t0..t0+nt` into `acc[panel][token][lane]`, decoding
+/// the weights in registers. `matmul` calls it only on AVX-512.
+fn tile_direct(
     w: &PackedMatrix,
     x: &[f32],
     p0: usize,
@@ -308,47 +310,17 @@ fn tile(
     nt: usize,
     acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
 ) {
-    match simd_level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the level was detected at run time; `matmul` checked x's length, and p0, np, t0,
-        // nt lie inside the matrix and the batch.
-        SimdLevel::Avx512 => unsafe { x86::tile_avx512(w, x, p0, np, t0, nt, acc) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; AVX2 + FMA detected.
-        SimdLevel::Avx2 => unsafe { x86::tile_fma(w, x, p0, np, t0, nt, acc) },
-        _ => tile_generic(w, x, p0, np, t0, nt, acc),
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `matmul` takes this path only when AVX-512 was detected; it checked x's length, and
+    // p0, np, t0, nt lie inside the matrix and the batch.
+    unsafe {
+        x86::tile_avx512(w, x, p0, np, t0, nt, acc)
     }
-}
-
-/// The portable tile: the same chains as the SIMD ones (`mul_add` is one rounding, like FMA).
-#[inline(always)]
-fn tile_generic(
-    w: &PackedMatrix,
-    x: &[f32],
-    p0: usize,
-    np: usize,
-    t0: usize,
-    nt: usize,
-    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
-) {
-    let (cols, pairs) = (w.cols, w.pairs());
-    let mut we = [[0f32; PANEL]; GROUP_PANELS];
-    let mut wo = [[0f32; PANEL]; GROUP_PANELS];
-    for q in 0..pairs {
-        for i in 0..np {
-            decode_pair(w, p0 + i, q, &mut we[i], &mut wo[i]);
-        }
-        let odd = 2 * q + 1 < cols;
-        for j in 0..nt {
-            let xe = x[(t0 + j) * cols + 2 * q];
-            let xo = if odd { x[(t0 + j) * cols + 2 * q + 1] } else { 0.0 };
-            for i in 0..np {
-                for r in 0..PANEL {
-                    let a = we[i][r].mul_add(xe, acc[i][j][r]);
-                    acc[i][j][r] = if odd { wo[i][r].mul_add(xo, a) } else { a };
-                }
-            }
-        }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let mut wide = vec![0f32; w.pairs() * GROUP_PANELS * 2 * PANEL];
+        widen(w, p0, np, &mut wide);
+        tile_wide(&wide, w.cols, x, np, t0, nt, acc)
     }
 }
 
@@ -358,7 +330,7 @@ fn tile_generic(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, tile_generic, tile_wide_generic};
+    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, tile_wide_generic};
     use crate::cpu::mxfp4::{E2M1, GROUP};
 
     /// Calls `$f::<NP, NT>(args)` for the run-time panel and token counts: fixed shapes let the
@@ -384,20 +356,6 @@ mod x86 {
                 (_, _) => $f::<4, 4>($($arg),*),
             }
         };
-    }
-
-    /// The portable tile compiled with FMA (so `mul_add` is one instruction) for AVX2 machines.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_fma(
-        w: &PackedMatrix,
-        x: &[f32],
-        p0: usize,
-        np: usize,
-        t0: usize,
-        nt: usize,
-        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
-    ) {
-        tile_generic(w, x, p0, np, t0, nt, acc)
     }
 
     /// [`tile_wide_generic`] compiled with FMA, for AVX2 machines.
