@@ -497,8 +497,8 @@ mod x86 {
         let mut acc = [[_mm512_setzero_ps(); NT]; NP];
         let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
         unsafe {
-            // A pair whose second column is padding multiplies its zero weight by x = 0 instead of
-            // reading past the row; skipping it keeps the chains equal to the portable tile.
+            // A pair whose second column is padding is skipped rather than read past the row, as
+            // the widened tile does, so both paths run the same chains.
             let full = cols / 2;
             match &w.data {
                 PackedData::Bf16(v) => {
