@@ -7,11 +7,13 @@
 //! multiply-add chain, so results do not depend on the batch. Accumulation is always f32.
 
 pub mod backend;
+pub mod comm;
 pub mod cpu;
 
 pub use backend::{
     Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,
 };
+pub use comm::{CommStats, Communicator, ThreadComm};
 pub use cpu::backend::CpuBackend;
 /// Storage-format encoders (for writing checkpoints, e.g. the embedded tiny model).
 pub use cpu::bf16::f32_to_bf16_bits;

@@ -20,10 +20,15 @@ pub struct StateShape {
 
 impl StateShape {
     /// The arenas' own sizes (`kda_slot_floats`, `latent_page_floats`), so the pool's accounting
-    /// and the memory set aside cannot drift apart.
-    pub fn of(c: &TextConfig) -> StateShape {
+    /// and the memory set aside cannot drift apart: `c` is a rank's config (`Model::rank_config`)
+    /// and `ranks` the tensor-parallel ranks (each holds its heads' KDA state and a replica of
+    /// the latent cache).
+    pub fn of(c: &TextConfig, ranks: usize) -> StateShape {
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
-        StateShape { slot_bytes: 4 * kda_slot_floats(c), page_bytes: 4 * mla_layers * latent_page_floats(c) }
+        StateShape {
+            slot_bytes: 4 * ranks * kda_slot_floats(c),
+            page_bytes: 4 * ranks * mla_layers * latent_page_floats(c),
+        }
     }
 
     pub fn pages_for(tokens: usize) -> usize {

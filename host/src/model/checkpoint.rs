@@ -131,6 +131,27 @@ impl TensorBytes {
         }
     }
 
+    /// Bytes `range` of this tensor: a narrower view of the same map (or owned copy).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> TensorBytes {
+        match self {
+            TensorBytes::Mapped { map, start, .. } => {
+                TensorBytes::Mapped { map: map.clone(), start: start + range.start, len: range.len() }
+            }
+            TensorBytes::Owned(..) => TensorBytes::owned(&self.bytes()[range]),
+        }
+    }
+
+    /// Bytes `cols` of every `row_bytes`-long row, copied side by side (a column shard: not
+    /// contiguous in the file, so it is copied; only the copy stays resident).
+    pub fn gather_columns(&self, row_bytes: usize, cols: std::ops::Range<usize>) -> TensorBytes {
+        let b = self.bytes();
+        let mut out = Vec::with_capacity(b.len() / row_bytes.max(1) * cols.len());
+        for row in b.chunks_exact(row_bytes.max(1)) {
+            out.extend_from_slice(&row[cols.clone()]);
+        }
+        TensorBytes::owned(&out)
+    }
+
     /// Copies `bytes` into 8-aligned storage.
     fn owned(bytes: &[u8]) -> TensorBytes {
         let mut words = vec![0u64; bytes.len().div_ceil(8)];

@@ -35,6 +35,8 @@ pub enum ModelError {
     StateMismatch { layer: usize },
     #[error("all {capacity} state slots of an arena (KDA slots or latent pages) are in use")]
     StateSlotsFull { capacity: usize },
+    #[error("parallelism: {msg}")]
+    Parallel { msg: String },
     #[error("cannot set aside {bytes} bytes of sequence-state memory (lower state_memory)")]
     StateAlloc { bytes: usize },
 }

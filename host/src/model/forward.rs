@@ -1,12 +1,13 @@
 //! The whole text model: embedding → 2-site AttnRes decoder layers (KDA or MLA mixer; dense MLP or
 //! latent MoE) → output mix → final norm → `lm_head` (spec §2).
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use kimi_kernels::{Backend, CpuBackend, SituParams};
+use kimi_kernels::{Backend, CommStats, Communicator, CpuBackend, SituParams, ThreadComm};
 
 use super::attn_res::ResMix;
 use super::batch::{BatchLayout, SeqInput};
@@ -20,9 +21,10 @@ use super::moe::MoeLayer;
 use super::norm::rms_norm;
 use super::profile::{Laps, OpKind, OpTimes};
 use super::scratch::{Buf, Scratch};
-use super::state::{KdaStateMut, LatentCache, LayerState, SequenceState, StateArenas};
+use super::shard::{Shard, rank_config};
+use super::state::{KdaStateMut, LatentCache, LayerState, RankStateMut, SequenceState, StateArenas};
 use super::trace::Trace;
-use super::weights::{CheckpointSource, TensorSource, Weight};
+use super::weights::{CheckpointSource, LoadedTensor, Part, TensorSource, Weight};
 
 /// Every text-model tensor name starts with this.
 pub const PREFIX: &str = "language_model.";
@@ -49,23 +51,73 @@ pub struct DecoderLayer {
     pub ffn: Ffn,
 }
 
-pub struct Model {
-    pub config: ModelConfig,
+/// One tensor-parallel rank: its part of every weight (the whole model at TP 1), its step
+/// buffers, its communicator and, with more than one rank, its own worker threads.
+pub struct Rank {
+    pub shard: Shard,
     embed: Weight,
+    /// The vocabulary rows of `embed` and `lm_head` this rank holds.
+    vocab: Range<usize>,
     pub layers: Vec<DecoderLayer>,
     output_res: ResMix,
     norm: Vec<f32>,
     lm_head: Weight,
+    scratch: Scratch,
+    comm: ThreadComm,
+    /// This rank's threads (ranks run side by side; each waits in collectives on the others, so
+    /// they cannot share one pool's workers). `None` at TP 1: the global pool.
+    pool: Option<rayon::ThreadPool>,
+    /// What the loader handed this rank (tensor, stored bytes, kept bytes).
+    pub loaded: Vec<LoadedTensor>,
+}
+
+impl Rank {
+    /// Bytes of every weight this rank keeps, counted from the weights themselves (matrices in
+    /// their stored format, vectors as f32).
+    pub fn matrix_bytes(&self) -> usize {
+        let mut n = self.embed.stored_bytes() + self.lm_head.stored_bytes();
+        for l in &self.layers {
+            let mut ws: Vec<&Weight> = Vec::new();
+            match &l.mixer {
+                Mixer::Kda(k) => ws.extend(k.weights()),
+                Mixer::Mla(m) => ws.extend(m.weights()),
+            }
+            match &l.ffn {
+                Ffn::Dense(mlp) => ws.extend(mlp.weights()),
+                Ffn::Moe(moe) => ws.extend(moe.weights()),
+            }
+            n += ws.iter().map(|w| w.stored_bytes()).sum::<usize>();
+        }
+        n
+    }
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    /// The config as each rank sees it (heads divided by the rank count).
+    rank_config: TextConfig,
+    ranks: Vec<Rank>,
     situ: SituParams,
     /// Where every op runs; model code reaches kernels only through it.
     backend: Arc<dyn Backend>,
     /// KDA slots and latent pages for states made by `new_state` (the engine brings its own
     /// fixed arenas).
     arenas: StateArenas,
-    /// The steps' activation buffers, reused from step to step.
-    scratch: Scratch,
     /// Keeps the memory maps alive for the weights' lifetime.
     _checkpoint: Option<Checkpoint>,
+}
+
+/// How a model is spread over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parallelism {
+    /// Tensor-parallel ranks (`--tensor-parallel`).
+    pub tensor: usize,
+}
+
+impl Default for Parallelism {
+    fn default() -> Self {
+        Parallelism { tensor: 1 }
+    }
 }
 
 /// Which logits a forward call returns.
@@ -80,22 +132,65 @@ pub enum LogitsFor {
 impl Model {
     /// Loads `<dir>/config.json` and the checkpoint beside it.
     pub fn load(dir: &Path) -> Result<Model, ModelError> {
+        Model::load_with(dir, Parallelism::default())
+    }
+
+    /// Loads the model spread over `par.tensor` ranks: each rank maps only its shard.
+    pub fn load_with(dir: &Path, par: Parallelism) -> Result<Model, ModelError> {
         let config = load_config(dir)?;
         let ck = Checkpoint::open(dir)?;
-        let mut model = {
-            let mut src = CheckpointSource { ck: &ck };
-            Model::build(config, &mut src)?
-        };
+        let n = par.tensor;
+        let rank_config = rank_config(&config.text, n)?;
+        let mut ranks = Vec::with_capacity(n);
+        let comms = ThreadComm::group(n);
+        for (r, comm) in comms.into_iter().enumerate() {
+            let mut src = CheckpointSource::new(&ck);
+            let mut rank = Model::build_rank(&config.text, &mut src, Shard { rank: r, size: n }, comm)?;
+            rank.loaded = src.loaded;
+            ranks.push(rank);
+        }
+        let mut model = Model::assemble(config, rank_config, ranks)?;
         model._checkpoint = Some(ck);
         Ok(model)
     }
 
-    /// Builds the model from any tensor source (a checkpoint, or a name recorder).
+    /// Builds the whole model from any tensor source (a checkpoint, or a name recorder).
     pub fn build(config: ModelConfig, src: &mut dyn TensorSource) -> Result<Model, ModelError> {
-        let c = &config.text;
+        let rank = Model::build_rank(&config.text, src, Shard::WHOLE, ThreadComm::group(1).remove(0))?;
+        let rc = config.text.clone();
+        Model::assemble(config, rc, vec![rank])
+    }
+
+    fn assemble(config: ModelConfig, rank_config: TextConfig, mut ranks: Vec<Rank>) -> Result<Model, ModelError> {
+        let n = ranks.len();
+        if n > 1 {
+            // Each rank gets its share of the machine's threads (at least one).
+            let threads = (rayon::current_num_threads() / n).max(1);
+            for (r, rank) in ranks.iter_mut().enumerate() {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(move |i| format!("kimi-rank{r}-{i}"))
+                    .build()
+                    .map_err(|e| ModelError::Parallel { msg: format!("rank {r}'s threads: {e}") })?;
+                rank.pool = Some(pool);
+            }
+        }
+        let situ = situ_params(&config.text);
+        let arenas = StateArenas::growable(&rank_config, n);
+        let mut model =
+            Model { config, rank_config, ranks, situ, backend: Arc::new(CpuBackend), arenas, _checkpoint: None };
+        model.prepare_weights();
+        Ok(model)
+    }
+
+    /// Rank `sh`'s part of every weight: vocabulary rows of the embedding and LM head, and each
+    /// layer's shard (see the layers' `load`); norms and AttnRes queries are replicated.
+    fn build_rank(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard, comm: ThreadComm) -> Result<Rank, ModelError> {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let m = |s: &str| format!("{PREFIX}model.{s}");
-        let embed = src.matrix(&m("embed_tokens.weight"), v, d)?;
+        let vocab = sh.range(v, 1);
+        let vocab_part = if vocab.len() == v { Part::Whole } else { Part::Rows(vocab.clone()) };
+        let embed = src.matrix_part(&m("embed_tokens.weight"), v, d, vocab_part.clone())?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = m(&format!("layers.{i}"));
@@ -105,37 +200,32 @@ impl Model {
             let attn_res = ResMix::load(src, &format!("{p}.self_attention_res"), d, eps)?;
             let mlp_res = ResMix::load(src, &format!("{p}.mlp_res"), d, eps)?;
             let mixer = match c.layer_kinds[i] {
-                MixerKind::Kda => Mixer::Kda(KdaLayer::load(src, &format!("{p}.self_attn"), c)?),
-                MixerKind::Mla => Mixer::Mla(MlaLayer::load(src, &format!("{p}.self_attn"), c)?),
+                MixerKind::Kda => Mixer::Kda(KdaLayer::load(src, &format!("{p}.self_attn"), c, sh)?),
+                MixerKind::Mla => Mixer::Mla(MlaLayer::load(src, &format!("{p}.self_attn"), c, sh)?),
             };
             let ffn = if c.is_moe_layer(i) {
-                Ffn::Moe(MoeLayer::load(src, &format!("{p}.block_sparse_moe"), c)?)
+                Ffn::Moe(MoeLayer::load(src, &format!("{p}.block_sparse_moe"), c, sh)?)
             } else {
-                Ffn::Dense(Mlp::load(src, &format!("{p}.mlp"), d, c.intermediate_size)?)
+                Ffn::Dense(Mlp::load(src, &format!("{p}.mlp"), d, c.intermediate_size, sh)?)
             };
             layers.push(DecoderLayer { input_norm, post_norm, attn_res, mlp_res, mixer, ffn });
         }
         let output_res = ResMix::load(src, &m("output_attn_res"), d, c.rms_norm_eps)?;
         let norm = src.vector(&m("norm.weight"), &[d])?;
-        let lm_head = src.matrix(&format!("{PREFIX}lm_head.weight"), v, d)?;
-        let situ = situ_params(c);
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-        let arenas = StateArenas::growable(c);
-        let mut model = Model {
-            config,
+        let lm_head = src.matrix_part(&format!("{PREFIX}lm_head.weight"), v, d, vocab_part)?;
+        Ok(Rank {
+            shard: sh,
             embed,
+            vocab,
             layers,
             output_res,
             norm,
             lm_head,
-            situ,
-            backend,
-            arenas,
             scratch: Scratch::new(),
-            _checkpoint: None,
-        };
-        model.prepare_weights();
-        Ok(model)
+            comm,
+            pool: None,
+            loaded: Vec::new(),
+        })
     }
 
     /// Runs every op on `backend` from now on (the default is [`CpuBackend`]), its weight layouts
@@ -150,23 +240,46 @@ impl Model {
     /// rows, not multiplied, and stays stored), in parallel.
     fn prepare_weights(&mut self) {
         let be = Arc::clone(&self.backend);
-        let mut weights: Vec<&mut Weight> = vec![&mut self.lm_head];
-        for layer in &mut self.layers {
-            match &mut layer.mixer {
-                Mixer::Kda(k) => weights.extend(k.matmul_weights()),
-                Mixer::Mla(m) => weights.extend(m.matmul_weights()),
-            }
-            match &mut layer.ffn {
-                Ffn::Dense(mlp) => weights.extend(mlp.matmul_weights()),
-                Ffn::Moe(moe) => weights.extend(moe.matmul_weights()),
+        let mut weights: Vec<&mut Weight> = Vec::new();
+        for rank in &mut self.ranks {
+            weights.push(&mut rank.lm_head);
+            for layer in &mut rank.layers {
+                match &mut layer.mixer {
+                    Mixer::Kda(k) => weights.extend(k.matmul_weights()),
+                    Mixer::Mla(m) => weights.extend(m.matmul_weights()),
+                }
+                match &mut layer.ffn {
+                    Ffn::Dense(mlp) => weights.extend(mlp.matmul_weights()),
+                    Ffn::Moe(moe) => weights.extend(moe.matmul_weights()),
+                }
             }
         }
         weights.into_par_iter().for_each(|w| w.prepare(&*be));
     }
 
-    /// The step buffers' pool (tests: a steady state creates no buffers).
+    /// Rank 0's step buffers (tests: a steady state creates no buffers).
     pub fn scratch(&self) -> &Scratch {
-        &self.scratch
+        &self.ranks[0].scratch
+    }
+
+    /// Rank 0's layers (the whole model's at TP 1).
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.ranks[0].layers
+    }
+
+    /// The tensor-parallel ranks.
+    pub fn ranks(&self) -> &[Rank] {
+        &self.ranks
+    }
+
+    /// The config each rank sizes its state from (heads divided by the rank count).
+    pub fn rank_config(&self) -> &TextConfig {
+        &self.rank_config
+    }
+
+    /// Collectives each rank has made so far (rank 0's; every rank makes the same calls).
+    pub fn comm_stats(&self) -> CommStats {
+        self.ranks[0].comm.stats()
     }
 
     /// The backend the ops run on.
@@ -183,21 +296,23 @@ impl Model {
         // A growable arena adds a chunk instead of refusing, so this cannot fail.
         // A growable arena adds a chunk instead of refusing; only the machine running out of
         // memory stops it (as any allocation).
-        SequenceState::new_in(&self.config.text, &self.arenas).expect("memory for a sequence state")
+        SequenceState::new_in(&self.rank_config, self.ranks.len(), &self.arenas).expect("memory for a sequence state")
     }
 
     /// A fresh state whose KDA slot and latent pages come from `arenas` (the engine's, fixed at
     /// start-up).
     pub fn new_state_in(&self, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
-        SequenceState::new_in(&self.config.text, arenas)
+        SequenceState::new_in(&self.rank_config, self.ranks.len(), arenas)
     }
 
     /// Fixed arenas for this model, allocated now: `slots` KDA slots and `pages` latent pages of
-    /// every MLA layer (each pool page is one page per MLA layer).
+    /// every MLA layer on every rank (each pool page is one page per MLA layer and rank: the
+    /// latent cache is replicated).
     pub fn state_arenas(&self, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
-        let c = &self.config.text;
+        let c = &self.rank_config;
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
-        StateArenas::fixed(c, slots, pages.saturating_mul(mla_layers))
+        let n = self.ranks.len();
+        StateArenas::fixed(c, n, slots, pages.saturating_mul(mla_layers).saturating_mul(n))
     }
 
     /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,
@@ -216,10 +331,14 @@ impl Model {
 
     /// Checks that `state` has this model's layer kinds (before any layer writes to a state).
     fn check_state(&self, state: &SequenceState) -> Result<(), ModelError> {
+        if state.ranks() != self.ranks.len() {
+            return Err(ModelError::StateMismatch { layer: 0 });
+        }
         let kinds = &self.config.text.layer_kinds;
-        let bad = (0..kinds.len().max(state.layers.len())).find(|&i| {
+        let layers = state.layers();
+        let bad = (0..kinds.len().max(layers.len())).find(|&i| {
             !matches!(
-                (kinds.get(i), state.layers.get(i)),
+                (kinds.get(i), layers.get(i)),
                 (Some(MixerKind::Kda), Some(LayerState::Kda(_))) | (Some(MixerKind::Mla), Some(LayerState::Mla(_)))
             )
         });
@@ -269,20 +388,6 @@ impl Model {
         trace: Option<&mut Trace>,
         times: Option<&mut OpTimes>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        // The whole step runs on one of the pool's threads: every op's parallel split then starts
-        // inside the pool instead of handing work to it and sleeping until it is done, op by op
-        // (hundreds of wake-ups a step, measured as a sixth of a small model's serving time).
-        rayon::scope(|_| self.run_batch_in_pool(seqs, trace, times))
-    }
-
-    fn run_batch_in_pool(
-        &self,
-        seqs: &mut [SeqInput<'_>],
-        mut trace: Option<&mut Trace>,
-        times: Option<&mut OpTimes>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let c = &self.config.text;
-        let (d, v) = (c.hidden_size, c.vocab_size);
         for s in seqs.iter() {
             self.check(s.ids, s.state.len)?;
             self.check_state(s.state)?;
@@ -290,18 +395,120 @@ impl Model {
         if trace.is_some() && seqs.len() != 1 {
             return Err(ModelError::TraceNeedsOneSequence { sequences: seqs.len() });
         }
-        let mut laps = Laps::new(times);
         let layout = BatchLayout::new(seqs.iter().map(|s| (s.ids.len(), s.state.len)));
-        let tokens = layout.len();
-        if tokens == 0 {
+        if layout.is_empty() {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
-        let be = &*self.backend;
-        let sc = &self.scratch;
-        let shape = [tokens, d];
+        // Every page the step writes is taken now, so no rank can fail halfway through.
+        for s in seqs.iter_mut() {
+            s.state.prepare_pages(s.ids.len())?;
+        }
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.ids.iter().copied()).collect();
-        let mut h0 = sc.for_overwrite(tokens * d);
-        be.embedding(&self.embed.m(), &ids, &mut h0);
+        // The rows that want logits: the LM head reads its weight once for all of them.
+        let wanted: Vec<Range<usize>> = seqs
+            .iter()
+            .zip(&layout.spans)
+            .map(|(s, span)| match (s.logits, span.len) {
+                (_, 0) => span.start..span.start,
+                (LogitsFor::AllTokens, _) => span.rows(),
+                (LogitsFor::LastToken, _) => span.start + span.len - 1..span.start + span.len,
+            })
+            .collect();
+        let all_tokens_trace = matches!(&*seqs, [SeqInput { logits: LogitsFor::AllTokens, .. }]);
+        let n = self.ranks.len();
+        let mut per_rank: Vec<Vec<RankStateMut<'_>>> = (0..n).map(|_| Vec::with_capacity(seqs.len())).collect();
+        for s in seqs.iter_mut() {
+            for (r, st) in s.state.ranks_mut().into_iter().enumerate() {
+                per_rank[r].push(st);
+            }
+        }
+        let step = Step { layout: &layout, ids: &ids, wanted: &wanted, all_tokens_trace };
+        let mut per_rank = per_rank.into_iter();
+        let first = per_rank.next().unwrap_or_default();
+        let logits = if n == 1 {
+            // The whole step runs on one of the pool's threads: every op's parallel split then
+            // starts inside the pool instead of handing work to it and sleeping until it is done,
+            // op by op (hundreds of wake-ups a step, measured as a sixth of a small model's
+            // serving time).
+            rayon::scope(|_| self.rank_step(&self.ranks[0], &step, first, trace, times))
+        } else {
+            // Ranks run in lock-step on their own threads, meeting in the collectives.
+            let run = |rank: &Rank, states, trace, times| match &rank.pool {
+                Some(pool) => pool.install(|| self.rank_step(rank, &step, states, trace, times)),
+                None => self.rank_step(rank, &step, states, trace, times),
+            };
+            std::thread::scope(|scope| {
+                let others: Vec<_> = self.ranks[1..]
+                    .iter()
+                    .zip(per_rank)
+                    .map(|(rank, states)| scope.spawn(move || run(rank, states, None, None)))
+                    .collect();
+                let logits = run(&self.ranks[0], first, trace, times);
+                for h in others {
+                    if let Err(panic) = h.join() {
+                        std::panic::resume_unwind(panic);
+                    }
+                }
+                logits
+            })
+        }?;
+        for (s, span) in seqs.iter_mut().zip(&layout.spans) {
+            s.state.len += span.len;
+        }
+        let v = self.config.text.vocab_size;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for r in &wanted {
+            out.push(logits[at * v..(at + r.len()) * v].to_vec());
+            at += r.len();
+        }
+        Ok(out)
+    }
+
+    /// One rank's program for a step: every rank runs it side by side on the same inputs, with
+    /// its own weights and state, meeting in the same collectives in the same order. Returns the
+    /// wanted rows' logits, `[rows, V]`.
+    fn rank_step(
+        &self,
+        rank: &Rank,
+        step: &Step<'_>,
+        mut states: Vec<RankStateMut<'_>>,
+        mut trace: Option<&mut Trace>,
+        times: Option<&mut OpTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let c = &self.config.text;
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        let layout = step.layout;
+        let mut laps = Laps::new(times);
+        let tokens = layout.len();
+        let be = &*self.backend;
+        let sc = &rank.scratch;
+        let comm: &dyn Communicator = &rank.comm;
+        let split = !rank.shard.is_whole();
+        let shape = [tokens, d];
+        let h0 = if split {
+            // Vocabulary-parallel lookup: this rank's rows, zero elsewhere, summed over ranks.
+            let mut h0 = sc.zeroed(tokens * d);
+            let local: Vec<(usize, u32)> = step
+                .ids
+                .iter()
+                .enumerate()
+                .filter(|(_, id)| rank.vocab.contains(&(**id as usize)))
+                .map(|(t, id)| (t, *id - rank.vocab.start as u32))
+                .collect();
+            let local_ids: Vec<u32> = local.iter().map(|(_, id)| *id).collect();
+            let mut rows = sc.for_overwrite(local_ids.len() * d);
+            be.embedding(&rank.embed.m(), &local_ids, &mut rows);
+            for ((t, _), row) in local.iter().zip(rows.chunks_exact(d)) {
+                h0[t * d..(t + 1) * d].copy_from_slice(row);
+            }
+            comm.all_reduce_sum(&mut h0);
+            h0
+        } else {
+            let mut h0 = sc.for_overwrite(tokens * d);
+            be.embedding(&rank.embed.m(), step.ids, &mut h0);
+            h0
+        };
         laps.lap(OpKind::Embedding);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("embedding", &shape, &h0);
@@ -309,7 +516,7 @@ impl Model {
 
         let mut blocks: Vec<Buf<'_>> = Vec::new();
         let mut partial: Option<Buf<'_>> = Some(h0);
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in rank.layers.iter().enumerate() {
             let mut tr = trace.as_deref_mut();
             // Attention site: mix banked blocks with the running partial sum (layer 0: embedding).
             let a = match (&partial, blocks.is_empty()) {
@@ -324,29 +531,30 @@ impl Model {
             laps.lap(OpKind::AttnRes);
             let x = rms_norm(be, sc, &a, &layer.input_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
-            let u = match &layer.mixer {
+            let mut u = match &layer.mixer {
                 Mixer::Kda(k) => {
-                    let mut states: Vec<KdaStateMut<'_>> = seqs
+                    let mut kda: Vec<KdaStateMut<'_>> = states
                         .iter_mut()
-                        .map(|s| s.state.kda_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
+                        .map(|s| s.kda_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
-                    k.forward(be, sc, &x, &layout.spans, &mut states)
+                    k.forward(be, sc, &x, &layout.spans, &mut kda)
                 }
                 Mixer::Mla(m) => {
-                    let mut caches: Vec<&mut LatentCache> = seqs
+                    let mut caches: Vec<&mut LatentCache> = states
                         .iter_mut()
-                        .map(|s| match s.state.layers.get_mut(i) {
-                            Some(LayerState::Mla(cache)) => Ok(cache),
-                            _ => Err(ModelError::StateMismatch { layer: i }),
-                        })
+                        .map(|s| s.mla_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
-                    let (u, sel) = m.forward(be, sc, &x, &layout, &mut caches)?;
+                    let (u, sel) = m.forward(be, sc, &x, layout, &mut caches)?;
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }
                     u
                 }
             };
+            if split {
+                // The mixer's o_proj is row-parallel: its partial sums meet here.
+                comm.all_reduce_sum(&mut u);
+            }
             laps.lap(if matches!(layer.mixer, Mixer::Kda(_)) { OpKind::Kda } else { OpKind::Mla });
             let p = match partial.take() {
                 None => sc.copy_of(&u),
@@ -361,9 +569,15 @@ impl Model {
             let f_in = rms_norm(be, sc, &m, &layer.post_norm, c.rms_norm_eps);
             laps.lap(OpKind::Norm);
             let f = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(be, sc, &f_in, tokens, self.situ),
+                Ffn::Dense(mlp) => {
+                    let mut f = mlp.forward(be, sc, &f_in, tokens, self.situ);
+                    if split {
+                        comm.all_reduce_sum(&mut f);
+                    }
+                    f
+                }
                 Ffn::Moe(moe) => {
-                    let (y, r) = moe.forward(be, sc, &f_in, tokens, self.situ);
+                    let (y, r) = moe.forward(be, sc, comm, &f_in, tokens, self.situ);
                     if let Some(tr) = tr.as_deref_mut() {
                         let e = r.scores.len() / tokens;
                         tr.i64(
@@ -393,49 +607,59 @@ impl Model {
             }
             partial = Some(p);
         }
-        for (s, span) in seqs.iter_mut().zip(&layout.spans) {
-            s.state.len += span.len;
-        }
 
-        let final_mix = self.output_res.mix(be, sc, &candidates(&blocks, partial.as_ref()), tokens);
+        let final_mix = rank.output_res.mix(be, sc, &candidates(&blocks, partial.as_ref()), tokens);
         laps.lap(OpKind::AttnRes);
-        let hidden = rms_norm(be, sc, &final_mix, &self.norm, c.rms_norm_eps);
+        let hidden = rms_norm(be, sc, &final_mix, &rank.norm, c.rms_norm_eps);
         laps.lap(OpKind::Norm);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("final_mix", &shape, &final_mix);
             tr.f32("final_hidden", &shape, &hidden);
         }
-        // The LM head reads its weight once for the whole step, over the rows that want logits.
-        let wanted: Vec<std::ops::Range<usize>> = seqs
-            .iter()
-            .zip(&layout.spans)
-            .map(|(s, span)| match (s.logits, span.len) {
-                (_, 0) => span.start..span.start,
-                (LogitsFor::AllTokens, _) => span.rows(),
-                (LogitsFor::LastToken, _) => span.start + span.len - 1..span.start + span.len,
-            })
-            .collect();
-        let rows: usize = wanted.iter().map(|r| r.len()).sum();
+        let rows: usize = step.wanted.iter().map(|r| r.len()).sum();
         let mut picked = sc.for_overwrite(rows * d);
         let mut at = 0;
-        for r in &wanted {
+        for r in step.wanted {
             picked[at..at + r.len() * d].copy_from_slice(&hidden[r.start * d..r.end * d]);
             at += r.len() * d;
         }
         laps.lap(OpKind::Other);
-        let logits = self.lm_head.matmul(be, sc, &picked, rows);
+        let local = rank.lm_head.matmul(be, sc, &picked, rows);
+        let logits = if split {
+            // Vocabulary-parallel head: every rank's `[rows, its vocab]` gathered, then laid out
+            // as `[rows, V]`.
+            let mut gathered = vec![0f32; rows * v];
+            comm.all_gather(&local, &mut gathered);
+            let mut logits = vec![0f32; rows * v];
+            let mut at = 0;
+            for r in 0..rank.shard.size {
+                let part = Shard { rank: r, size: rank.shard.size }.range(v, 1);
+                let w = part.len();
+                for row in 0..rows {
+                    logits[row * v + part.start..row * v + part.end]
+                        .copy_from_slice(&gathered[at + row * w..at + (row + 1) * w]);
+                }
+                at += rows * w;
+            }
+            logits
+        } else {
+            local.to_vec()
+        };
         laps.lap(OpKind::LmHead);
-        if let (Some(tr), [SeqInput { logits: LogitsFor::AllTokens, .. }]) = (trace, &*seqs) {
+        if let (Some(tr), true) = (trace, step.all_tokens_trace) {
             tr.f32("logits", &[tokens, v], &logits);
         }
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for r in &wanted {
-            out.push(logits[at * v..(at + r.len()) * v].to_vec());
-            at += r.len();
-        }
-        Ok(out)
+        Ok(logits)
     }
+}
+
+/// What every rank of a step reads: the flat batch, its ids and the rows that want logits.
+struct Step<'a> {
+    layout: &'a BatchLayout,
+    ids: &'a [u32],
+    wanted: &'a [Range<usize>],
+    /// One sequence wanting every row's logits (a trace records them).
+    all_tokens_trace: bool,
 }
 
 fn candidates<'a>(blocks: &'a [Buf<'_>], partial: Option<&'a Buf<'_>>) -> Vec<&'a [f32]> {

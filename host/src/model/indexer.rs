@@ -23,6 +23,11 @@ pub struct Indexer {
 }
 
 impl Indexer {
+    /// Every weight the indexer keeps.
+    pub fn weights(&self) -> Vec<&Weight> {
+        vec![&self.wq_b, &self.wk, &self.weights_proj]
+    }
+
     /// Every weight the indexer multiplies by.
     pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
         vec![&mut self.wq_b, &mut self.wk, &mut self.weights_proj]

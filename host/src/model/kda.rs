@@ -2,13 +2,16 @@
 //! core (chunked for prefill, recurrent for decode; the backend's `kda_recurrence`), the
 //! sigmoid-gated output norm and `o_proj`.
 
+use std::ops::Range;
+
 use kimi_kernels::{Backend, KdaInputs, KdaParams, SeqSpan};
 
 use super::config::TextConfig;
 use super::error::ModelError;
 use super::scratch::{Buf, Scratch};
+use super::shard::Shard;
 use super::state::KdaStateMut;
-use super::weights::{TensorSource, Weight};
+use super::weights::{Part, TensorSource, Weight};
 
 /// The output-gate projection: full rank (K3) or low rank `g_b(g_a x)`.
 enum OutputGate {
@@ -39,15 +42,26 @@ pub struct KdaLayer {
 }
 
 impl KdaLayer {
-    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<KdaLayer, ModelError> {
+    /// Loads the layer, or rank `sh`'s part of it: its heads of q/k/v, `f_b`, β, the output gate,
+    /// the convolutions, `A_log` and `dt_bias`, and the matching input columns of `o_proj` (whose
+    /// partial output the caller all-reduces); `f_a`, a low-rank gate's `g_a` and the output norm
+    /// are replicated.
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig, sh: Shard) -> Result<KdaLayer, ModelError> {
         let d = c.hidden_size;
         let (h, k, w) = (c.kda.num_heads, c.kda.head_dim, c.kda.conv_kernel);
         let p = h * k;
+        let heads = sh.heads(h);
+        let chans = heads.start * k..heads.end * k;
+        let rows = |r: &Range<usize>, n: usize| if r.len() == n { Part::Whole } else { Part::Rows(r.clone()) };
+        let cols = |r: &Range<usize>, n: usize| if r.len() == n { Part::Whole } else { Part::Cols(r.clone()) };
         let n = |s: &str| format!("{prefix}.{s}");
         let gate = if c.kda.full_rank_gate {
-            OutputGate::Full(src.matrix(&n("g_proj.weight"), p, d)?)
+            OutputGate::Full(src.matrix_part(&n("g_proj.weight"), p, d, rows(&chans, p))?)
         } else {
-            OutputGate::LowRank(src.matrix(&n("g_a_proj.weight"), k, d)?, src.matrix(&n("g_b_proj.weight"), p, k)?)
+            OutputGate::LowRank(
+                src.matrix(&n("g_a_proj.weight"), k, d)?,
+                src.matrix_part(&n("g_b_proj.weight"), p, k, rows(&chans, p))?,
+            )
         };
         // A_log ships padded to max(H, head_dim) entries (the release: [128] for 96 heads); the
         // gate is per head, so the padding must be exactly zero.
@@ -62,27 +76,37 @@ impl KdaLayer {
                 format!("entries {h}.. must be zero padding (A_log is per head, {h} heads)"),
             ));
         }
-        let mut conv = |s: &str| -> Result<Vec<f32>, ModelError> { src.vector(&n(s), &[p, 1, w]) };
+        let mut conv = |s: &str| -> Result<Vec<f32>, ModelError> { src.vector_part(&n(s), &[p, 1, w], chans.clone()) };
         let conv = [conv("q_conv1d.weight")?, conv("k_conv1d.weight")?, conv("v_conv1d.weight")?];
         Ok(KdaLayer {
-            q_proj: src.matrix(&n("q_proj.weight"), p, d)?,
-            k_proj: src.matrix(&n("k_proj.weight"), p, d)?,
-            v_proj: src.matrix(&n("v_proj.weight"), p, d)?,
+            q_proj: src.matrix_part(&n("q_proj.weight"), p, d, rows(&chans, p))?,
+            k_proj: src.matrix_part(&n("k_proj.weight"), p, d, rows(&chans, p))?,
+            v_proj: src.matrix_part(&n("v_proj.weight"), p, d, rows(&chans, p))?,
             f_a: src.matrix(&n("f_a_proj.weight"), k, d)?,
-            f_b: src.matrix(&n("f_b_proj.weight"), p, k)?,
-            b_proj: src.matrix(&n("b_proj.weight"), h, d)?,
+            f_b: src.matrix_part(&n("f_b_proj.weight"), p, k, rows(&chans, p))?,
+            b_proj: src.matrix_part(&n("b_proj.weight"), h, d, rows(&heads, h))?,
             gate,
             conv,
-            a_exp: a_log[..h].iter().map(|a| a.exp()).collect(),
-            dt_bias: src.vector(&n("dt_bias"), &[p])?,
+            a_exp: a_log[heads.clone()].iter().map(|a| a.exp()).collect(),
+            dt_bias: src.vector_part(&n("dt_bias"), &[p], chans.clone())?,
             o_norm: src.vector(&n("o_norm.weight"), &[k])?,
-            o_proj: src.matrix(&n("o_proj.weight"), d, p)?,
-            heads: h,
+            o_proj: src.matrix_part(&n("o_proj.weight"), d, p, cols(&chans, p))?,
+            heads: heads.len(),
             head_dim: k,
             kernel: w,
             lower_bound: c.kda.gate_lower_bound,
             eps: c.rms_norm_eps,
         })
+    }
+
+    /// Every weight the layer keeps.
+    pub fn weights(&self) -> Vec<&Weight> {
+        let mut v = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.f_a, &self.f_b, &self.b_proj, &self.o_proj];
+        match &self.gate {
+            OutputGate::Full(g) => v.push(g),
+            OutputGate::LowRank(a, b) => v.extend([a, b]),
+        }
+        v
     }
 
     /// Every weight the layer multiplies by.

@@ -11,8 +11,9 @@ use super::error::ModelError;
 use super::indexer::Indexer;
 use super::norm::rms_norm;
 use super::scratch::{Buf, Scratch};
+use super::shard::Shard;
 use super::state::LatentCache;
-use super::weights::{TensorSource, Weight};
+use super::weights::{Part, TensorSource, Weight};
 
 /// ε of `q_a_layernorm` / `kv_a_layernorm`: the release builds them with the class default.
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -35,6 +36,16 @@ pub struct MlaLayer {
 }
 
 impl MlaLayer {
+    /// Every weight the layer keeps.
+    pub fn weights(&self) -> Vec<&Weight> {
+        let mut v = vec![&self.q_a, &self.q_b, &self.kv_a, &self.kv_b, &self.o_proj];
+        v.extend(self.g_proj.as_ref());
+        if let Some(ix) = &self.indexer {
+            v.extend(ix.weights());
+        }
+        v
+    }
+
     /// Every weight the layer multiplies by (`kv_b` is read by head slices in the absorbed maps,
     /// so it stays in its stored format).
     pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
@@ -46,9 +57,18 @@ impl MlaLayer {
         v
     }
 
-    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MlaLayer, ModelError> {
+    /// Loads the layer, or rank `sh`'s part of it (ATOM's scheme): its heads of `q_b`, `kv_b` and
+    /// the output gate, and the matching input columns of `o_proj` (whose partial output the
+    /// caller all-reduces); `q_a`, `kv_a` (so the latent cache is the same on every rank) and the
+    /// indexer are replicated.
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig, sh: Shard) -> Result<MlaLayer, ModelError> {
         let d = c.hidden_size;
         let (h, dn, dr, dv, r) = (c.mla_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let heads = sh.heads(h);
+        let per_head = |w: usize| {
+            if heads.len() == h { Part::Whole } else { Part::Rows(heads.start * w..heads.end * w) }
+        };
+        let o_cols = if heads.len() == h { Part::Whole } else { Part::Cols(heads.start * dv..heads.end * dv) };
         let n = |s: &str| format!("{prefix}.{s}");
         let indexer = match &c.indexer {
             Some(ic) => Some(Indexer::load(src, &n("indexer"), ic, d, c.q_lora_rank)?),
@@ -57,14 +77,18 @@ impl MlaLayer {
         Ok(MlaLayer {
             q_a: src.matrix(&n("q_a_proj.weight"), c.q_lora_rank, d)?,
             q_a_norm: src.vector(&n("q_a_layernorm.weight"), &[c.q_lora_rank])?,
-            q_b: src.matrix(&n("q_b_proj.weight"), h * (dn + dr), c.q_lora_rank)?,
+            q_b: src.matrix_part(&n("q_b_proj.weight"), h * (dn + dr), c.q_lora_rank, per_head(dn + dr))?,
             kv_a: src.matrix(&n("kv_a_proj_with_mqa.weight"), r + dr, d)?,
             kv_a_norm: src.vector(&n("kv_a_layernorm.weight"), &[r])?,
-            kv_b: src.matrix(&n("kv_b_proj.weight"), h * (dn + dv), r)?,
-            g_proj: if c.mla_output_gate { Some(src.matrix(&n("g_proj.weight"), h * dv, d)?) } else { None },
-            o_proj: src.matrix(&n("o_proj.weight"), d, h * dv)?,
+            kv_b: src.matrix_part(&n("kv_b_proj.weight"), h * (dn + dv), r, per_head(dn + dv))?,
+            g_proj: if c.mla_output_gate {
+                Some(src.matrix_part(&n("g_proj.weight"), h * dv, d, per_head(dv))?)
+            } else {
+                None
+            },
+            o_proj: src.matrix_part(&n("o_proj.weight"), d, h * dv, o_cols)?,
             indexer,
-            heads: h,
+            heads: heads.len(),
             nope: dn,
             rope: dr,
             v_dim: dv,

@@ -14,6 +14,7 @@ pub mod moe;
 pub mod norm;
 pub mod profile;
 pub mod scratch;
+pub mod shard;
 pub mod slots;
 pub mod state;
 pub mod tiny;

@@ -2,7 +2,9 @@
 //! routed SiTU experts in the latent space, RMSNorm on the weighted sum, up-projection, plus the
 //! shared experts on the full-width input.
 
-use kimi_kernels::{Backend, ExpertMatrices, RouterParams, SituParams};
+use std::ops::Range;
+
+use kimi_kernels::{Backend, Communicator, ExpertMatrices, RouterParams, SituParams};
 
 pub use kimi_kernels::Routing;
 
@@ -11,7 +13,8 @@ use super::error::ModelError;
 use super::mlp::Mlp;
 use super::norm::rms_norm;
 use super::scratch::{Buf, Scratch};
-use super::weights::{TensorSource, Weight};
+use super::shard::Shard;
+use super::weights::{Part, TensorSource, Weight};
 
 pub struct Expert {
     pub w1: Weight,
@@ -24,6 +27,8 @@ pub struct MoeLayer {
     bias: Vec<f32>,
     down: Weight,
     up: Weight,
+    /// The hidden rows of `up` this rank holds (all of them at TP 1).
+    up_rows: Range<usize>,
     norm: Option<Vec<f32>>,
     pub experts: Vec<Expert>,
     shared: Option<Mlp>,
@@ -34,28 +39,40 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
-    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig) -> Result<MoeLayer, ModelError> {
+    /// Loads the layer, or rank `sh`'s part of it (ATOM's TP mode): every routed expert with a
+    /// contiguous range of its intermediate rows (`w1`, `w3`) and the matching columns of `w2`
+    /// (in 32-value blocks when `w2` is MXFP4), the shared experts' intermediate likewise, and
+    /// a range of the hidden rows of the latent up-projection. The router and the latent
+    /// down-projection are replicated, so every rank routes identically.
+    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig, sh: Shard) -> Result<MoeLayer, ModelError> {
         let (d, e, lat, inter) = (c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size);
         let n = |s: &str| format!("{prefix}.{s}");
+        let unit = if src.expert_is_mxfp4(&n("experts.0.w2")) { 32 } else { 1 };
+        let mine = sh.range(inter, unit);
+        let (rows, cols) =
+            if mine.len() == inter { (Part::Whole, Part::Whole) } else { (Part::Rows(mine.clone()), Part::Cols(mine)) };
         let experts = (0..e)
             .map(|i| {
                 Ok(Expert {
-                    w1: src.expert_matrix(&n(&format!("experts.{i}.w1")), inter, lat)?,
-                    w2: src.expert_matrix(&n(&format!("experts.{i}.w2")), lat, inter)?,
-                    w3: src.expert_matrix(&n(&format!("experts.{i}.w3")), inter, lat)?,
+                    w1: src.expert_matrix_part(&n(&format!("experts.{i}.w1")), inter, lat, rows.clone())?,
+                    w2: src.expert_matrix_part(&n(&format!("experts.{i}.w2")), lat, inter, cols.clone())?,
+                    w3: src.expert_matrix_part(&n(&format!("experts.{i}.w3")), inter, lat, rows.clone())?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let shared = if c.num_shared_experts > 0 {
-            Some(Mlp::load(src, &n("shared_experts"), d, inter * c.num_shared_experts)?)
+            Some(Mlp::load(src, &n("shared_experts"), d, inter * c.num_shared_experts, sh)?)
         } else {
             None
         };
+        let up_rows = sh.range(d, 1);
+        let up_part = if up_rows.len() == d { Part::Whole } else { Part::Rows(up_rows.clone()) };
         Ok(MoeLayer {
             gate: src.matrix(&n("gate.weight"), e, d)?,
             bias: src.vector(&n("gate.e_score_correction_bias"), &[e])?,
             down: src.matrix(&n("routed_expert_down_proj.weight"), lat, d)?,
-            up: src.matrix(&n("routed_expert_up_proj.weight"), d, lat)?,
+            up: src.matrix_part(&n("routed_expert_up_proj.weight"), d, lat, up_part)?,
+            up_rows,
             norm: if c.latent_moe_norm { Some(src.vector(&n("routed_expert_norm.weight"), &[lat])?) } else { None },
             experts,
             shared,
@@ -73,6 +90,18 @@ impl MoeLayer {
         be.moe_route(&logits, tokens, &p)
     }
 
+    /// Every weight the layer keeps.
+    pub fn weights(&self) -> Vec<&Weight> {
+        let mut v = vec![&self.gate, &self.down, &self.up];
+        for e in &self.experts {
+            v.extend([&e.w1, &e.w2, &e.w3]);
+        }
+        if let Some(s) = &self.shared {
+            v.extend(s.weights());
+        }
+        v
+    }
+
     /// Every weight the layer multiplies by: router, latent maps, routed and shared experts.
     pub fn matmul_weights(&mut self) -> Vec<&mut Weight> {
         let mut v = vec![&mut self.gate, &mut self.down, &mut self.up];
@@ -85,33 +114,57 @@ impl MoeLayer {
         v
     }
 
-    /// x: `[tokens, d]` (post `post_attention_layernorm`).
+    /// x: `[tokens, d]` (post `post_attention_layernorm`). Under tensor parallelism each rank's
+    /// experts give a partial latent sum, all-reduced before the (nonlinear) latent norm; the
+    /// rank's rows of the up-projection then go into its shared experts' partial output, so one
+    /// more all-reduce of `[tokens, d]` completes the layer (two per MoE layer, as ATOM's, with
+    /// the up-projection split instead of replicated). Returns the whole output on every rank.
     pub fn forward<'s>(
         &self,
         be: &dyn Backend,
         sc: &'s Scratch,
+        comm: &dyn Communicator,
         x: &[f32],
         tokens: usize,
         act: SituParams,
     ) -> (Buf<'s>, Routing) {
         let routing = self.route(be, sc, x, tokens);
         let lat = self.down.rows;
+        let d = self.gate.cols;
         let z = self.down.matmul(be, sc, x, tokens);
-        let experts: Vec<ExpertMatrices<'_>> = self
-            .experts
-            .iter()
-            .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
-            .collect();
         let mut y_lat = sc.zeroed(tokens * lat);
-        be.moe_experts(&experts, &routing, &z, act, &mut y_lat);
+        if self.experts.first().is_some_and(|e| e.w1.rows > 0) {
+            let experts: Vec<ExpertMatrices<'_>> = self
+                .experts
+                .iter()
+                .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
+                .collect();
+            be.moe_experts(&experts, &routing, &z, act, &mut y_lat);
+        }
+        if comm.size() > 1 {
+            comm.all_reduce_sum(&mut y_lat);
+        }
         if let Some(nw) = &self.norm {
             y_lat = rms_norm(be, sc, &y_lat, nw, self.eps);
         }
-        let mut y = self.up.matmul(be, sc, &y_lat, tokens);
-        if let Some(sh) = &self.shared {
-            let s = sh.forward(be, sc, x, tokens, act);
-            be.add(&mut y, &s);
+        let up = self.up.matmul(be, sc, &y_lat, tokens);
+        if comm.size() == 1 {
+            let mut y = up;
+            if let Some(sh) = &self.shared {
+                let s = sh.forward(be, sc, x, tokens, act);
+                be.add(&mut y, &s);
+            }
+            return (y, routing);
         }
+        let mut y = match &self.shared {
+            Some(sh) => sh.forward(be, sc, x, tokens, act),
+            None => sc.zeroed(tokens * d),
+        };
+        let w = self.up_rows.len();
+        for (row, part) in y.chunks_exact_mut(d).zip(up.chunks_exact(w.max(1))) {
+            be.add(&mut row[self.up_rows.clone()], part);
+        }
+        comm.all_reduce_sum(&mut y);
         (y, routing)
     }
 }

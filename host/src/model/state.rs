@@ -114,10 +114,11 @@ impl LatentCache {
     pub fn push(&mut self, c: &[f32], k_pe: &[f32], key: &[f32]) -> Result<(), ModelError> {
         debug_assert_eq!(c.len() + k_pe.len(), self.width);
         debug_assert_eq!(key.len(), self.index_dim);
-        if self.len.is_multiple_of(PAGE_TOKENS) {
+        let page = self.len / PAGE_TOKENS;
+        if page == self.pages.len() {
             self.pages.push(Arc::new(self.arena.acquire()?));
         }
-        let Some(last) = self.pages.last_mut() else { return Ok(()) };
+        let Some(last) = self.pages.get_mut(page) else { return Ok(()) };
         if Arc::get_mut(last).is_none() {
             // Shared with a fork: this sequence writes into its own copy from here on.
             *last = Arc::new(last.try_clone()?);
@@ -178,9 +179,32 @@ impl LatentCache {
         self.pages.len()
     }
 
+    /// Pages holding rows (a step's prepared pages beyond them do not count until written).
+    pub fn used_pages(&self) -> usize {
+        self.len.div_ceil(PAGE_TOKENS)
+    }
+
     /// Pages held by reference together with `other` (the same memory, not equal copies).
     pub fn shared_pages(&self, other: &LatentCache) -> usize {
         self.pages.iter().zip(&other.pages).filter(|(a, b)| Arc::ptr_eq(a, b)).count()
+    }
+
+    /// Holds every page rows `..upto` need, each page its own (not shared with a fork) from the
+    /// current last one on, so pushing those rows cannot fail.
+    fn prepare(&mut self, upto: usize) -> Result<(), ModelError> {
+        if upto <= self.len {
+            return Ok(());
+        }
+        if !self.len.is_multiple_of(PAGE_TOKENS)
+            && let Some(last) = self.pages.last_mut()
+            && Arc::get_mut(last).is_none()
+        {
+            *last = Arc::new(last.try_clone()?);
+        }
+        while self.pages.len() < upto.div_ceil(PAGE_TOKENS) {
+            self.pages.push(Arc::new(self.arena.acquire()?));
+        }
+        Ok(())
     }
 
     fn reserve_pages(&mut self, tokens: usize) {
@@ -204,75 +228,104 @@ pub struct StateArenas {
 }
 
 impl StateArenas {
-    /// Arenas that grow on demand.
-    pub fn growable(c: &TextConfig) -> StateArenas {
+    /// Arenas that grow on demand, for a model of `ranks` tensor-parallel ranks whose rank-local
+    /// config is `c`.
+    pub fn growable(c: &TextConfig, ranks: usize) -> StateArenas {
         StateArenas {
-            slots: SlotArena::growable(kda_slot_floats(c)),
+            slots: SlotArena::growable(ranks * kda_slot_floats(c)),
             pages: SlotArena::growable(latent_page_floats(c)),
         }
     }
 
-    /// Exactly `slots` KDA slots and `pages` latent pages, allocated now.
-    pub fn fixed(c: &TextConfig, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
+    /// Exactly `slots` KDA slots (each holding every rank's part) and `pages` latent pages,
+    /// allocated now.
+    pub fn fixed(c: &TextConfig, ranks: usize, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
         Ok(StateArenas {
-            slots: SlotArena::fixed(kda_slot_floats(c), slots)?,
+            slots: SlotArena::fixed(ranks * kda_slot_floats(c), slots)?,
             pages: SlotArena::fixed(latent_page_floats(c), pages)?,
         })
     }
 }
 
-/// Values of one sequence's KDA slot for this model (every KDA layer's state).
+/// Values of one rank's part of a sequence's KDA slot for this (rank-local) config.
 pub fn kda_slot_floats(c: &TextConfig) -> usize {
     let per_layer = c.kda.num_heads * c.kda.head_dim * c.kda.head_dim
         + 3 * c.kda.conv_kernel.saturating_sub(1) * c.kda_projection_dim();
     per_layer * c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Kda)).count()
 }
 
-/// Everything one sequence carries between calls: a KDA slot leased from a [`SlotArena`]
-/// (every KDA layer's state) and each MLA layer's paged latent cache.
+/// Everything one sequence carries between calls: a KDA slot leased from a [`SlotArena`] (every
+/// KDA layer's state; under tensor parallelism each rank's heads in its own region of the slot,
+/// rank-major) and each MLA layer's paged latent cache (one replica per rank, as on GPUs).
 #[derive(Debug)]
 pub struct SequenceState {
     slot: Option<Slot>,
-    pub layers: Vec<LayerState>,
+    /// Per rank: every layer's state (KDA layouts within the rank's region, latent caches).
+    ranks: Vec<Vec<LayerState>>,
     /// Tokens consumed so far.
     pub len: usize,
 }
 
+/// One rank's part of a sequence's state, for one step.
+pub struct RankStateMut<'a> {
+    floats: &'a mut [f32],
+    pub layers: &'a mut [LayerState],
+}
+
+impl RankStateMut<'_> {
+    pub fn kda_mut(&mut self, layer: usize) -> Option<KdaStateMut<'_>> {
+        let Some(LayerState::Kda(l)) = self.layers.get(layer) else { return None };
+        let l = *l;
+        let floats = self.floats.get_mut(l.offset..l.offset + l.floats())?;
+        let (recurrent, conv) = floats.split_at_mut(l.recurrent);
+        Some(KdaStateMut { recurrent, conv, frames: l.frames, channels: l.channels })
+    }
+
+    pub fn mla_mut(&mut self, layer: usize) -> Option<&mut LatentCache> {
+        match self.layers.get_mut(layer) {
+            Some(LayerState::Mla(c)) => Some(c),
+            _ => None,
+        }
+    }
+}
+
 impl SequenceState {
-    /// A fresh state whose KDA slot comes from `arenas.slots` and whose latent pages will come
-    /// from `arenas.pages`; a full fixed arena is an error.
-    pub fn new_in(c: &TextConfig, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
-        let need = kda_slot_floats(c);
-        if arenas.slots.slot_floats() != need || arenas.pages.slot_floats() != latent_page_floats(c) {
+    /// A fresh state for `ranks` tensor-parallel ranks of rank-local config `c`, whose KDA slot
+    /// comes from `arenas.slots` and whose latent pages will come from `arenas.pages`; a full
+    /// fixed arena is an error.
+    pub fn new_in(c: &TextConfig, ranks: usize, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
+        let per_rank = kda_slot_floats(c);
+        if arenas.slots.slot_floats() != ranks * per_rank || arenas.pages.slot_floats() != latent_page_floats(c) {
             return Err(ModelError::StateMismatch { layer: 0 });
         }
         let arena = &arenas.slots;
-        let slot = if need > 0 { Some(arena.acquire()?) } else { None };
+        let slot = if per_rank > 0 { Some(arena.acquire()?) } else { None };
         let (h, k) = (c.kda.num_heads, c.kda.head_dim);
-        let mut offset = 0;
-        let layers = c
-            .layer_kinds
-            .iter()
-            .map(|kind| match kind {
-                MixerKind::Kda => {
-                    let l = KdaLayout {
-                        offset,
-                        recurrent: h * k * k,
-                        frames: c.kda.conv_kernel.saturating_sub(1),
-                        channels: c.kda_projection_dim(),
-                    };
-                    offset += l.floats();
-                    LayerState::Kda(l)
-                }
-                MixerKind::Mla => LayerState::Mla(LatentCache::new(c, &arenas.pages)),
-            })
-            .collect();
-        Ok(SequenceState { slot, layers, len: 0 })
+        let rank_layers = || {
+            let mut offset = 0;
+            c.layer_kinds
+                .iter()
+                .map(|kind| match kind {
+                    MixerKind::Kda => {
+                        let l = KdaLayout {
+                            offset,
+                            recurrent: h * k * k,
+                            frames: c.kda.conv_kernel.saturating_sub(1),
+                            channels: c.kda_projection_dim(),
+                        };
+                        offset += l.floats();
+                        LayerState::Kda(l)
+                    }
+                    MixerKind::Mla => LayerState::Mla(LatentCache::new(c, &arenas.pages)),
+                })
+                .collect::<Vec<_>>()
+        };
+        Ok(SequenceState { slot, ranks: (0..ranks.max(1)).map(|_| rank_layers()).collect(), len: 0 })
     }
 
     /// A state with no layers and no slot: a place to hold until a fork fills it.
     pub fn empty() -> SequenceState {
-        SequenceState { slot: None, layers: Vec::new(), len: 0 }
+        SequenceState { slot: None, ranks: Vec::new(), len: 0 }
     }
 
     /// A copy for another sequence (`n > 1`): a new KDA slot from the same arena with this one's
@@ -282,17 +335,54 @@ impl SequenceState {
             Some(s) => Some(s.try_clone()?),
             None => None,
         };
-        Ok(SequenceState { slot, layers: self.layers.clone(), len: self.len })
+        Ok(SequenceState { slot, ranks: self.ranks.clone(), len: self.len })
     }
 
     /// Sizes every page table for `tokens` tokens up front (pages themselves are fixed-size and
     /// allocated as tokens arrive), so a sequence never holds more than its reservation says.
     pub fn reserve_tokens(&mut self, tokens: usize) {
-        for l in &mut self.layers {
+        for l in self.ranks.iter_mut().flatten() {
             if let LayerState::Mla(c) = l {
                 c.reserve_pages(tokens);
             }
         }
+    }
+
+    /// Takes every page the next `tokens` tokens will write (and its own copy of a partly filled
+    /// page shared with a fork), on every rank, so a step cannot run out of pages halfway (a
+    /// rank stopping mid-step would leave the others waiting in a collective).
+    pub fn prepare_pages(&mut self, tokens: usize) -> Result<(), ModelError> {
+        let upto = self.len + tokens;
+        for l in self.ranks.iter_mut().flatten() {
+            if let LayerState::Mla(c) = l {
+                c.prepare(upto)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensor-parallel ranks this state was made for.
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Rank 0's layers (the whole model's at TP 1).
+    pub fn layers(&self) -> &[LayerState] {
+        self.ranks.first().map_or(&[], |r| &r[..])
+    }
+
+    /// Every rank's part, disjoint, for one step.
+    pub fn ranks_mut(&mut self) -> Vec<RankStateMut<'_>> {
+        let n = self.ranks.len().max(1);
+        let floats: &mut [f32] = match &mut self.slot {
+            Some(s) => s.floats_mut(),
+            None => &mut [],
+        };
+        let per = floats.len() / n;
+        let mut parts: Vec<&mut [f32]> =
+            if per == 0 { (0..n).map(|_| &mut [][..]).collect() } else { floats.chunks_exact_mut(per).collect() };
+        parts.resize_with(self.ranks.len(), || &mut [][..]);
+        parts.into_iter().zip(self.ranks.iter_mut()).map(|(floats, layers)| RankStateMut { floats, layers }).collect()
     }
 
     /// The slot this state's KDA layers live in (its index is the slot-table entry).
@@ -300,23 +390,17 @@ impl SequenceState {
         self.slot.as_ref()
     }
 
+    /// Rank 0's KDA state of `layer` (the whole layer's at TP 1).
     pub fn kda(&self, layer: usize) -> Option<KdaState<'_>> {
-        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers.get(layer), &self.slot) else { return None };
+        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers().get(layer), &self.slot) else { return None };
         let floats = slot.floats().get(l.offset..l.offset + l.floats())?;
         let (recurrent, conv) = floats.split_at(l.recurrent);
         Some(KdaState { recurrent, conv, frames: l.frames, channels: l.channels })
     }
 
-    pub fn kda_mut(&mut self, layer: usize) -> Option<KdaStateMut<'_>> {
-        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers.get(layer), &mut self.slot) else { return None };
-        let l = *l;
-        let floats = slot.floats_mut().get_mut(l.offset..l.offset + l.floats())?;
-        let (recurrent, conv) = floats.split_at_mut(l.recurrent);
-        Some(KdaStateMut { recurrent, conv, frames: l.frames, channels: l.channels })
-    }
-
+    /// Rank 0's latent cache of `layer` (every rank holds the same rows).
     pub fn mla(&self, layer: usize) -> Option<&LatentCache> {
-        match self.layers.get(layer) {
+        match self.layers().get(layer) {
             Some(LayerState::Mla(s)) => Some(s),
             _ => None,
         }

@@ -115,10 +115,15 @@ pub fn tiny_config(opts: &TinyOptions) -> Value {
 
 /// Writes `config.json` and `model.safetensors` into `out`.
 pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
-    let config_json = tiny_config(opts);
+    write_random_checkpoint(out, &tiny_config(opts), opts.seed, opts.mxfp4)
+}
+
+/// Writes a random checkpoint for any config in the release layout (`config_json`, e.g. a
+/// [`tiny_config`] with other shapes), routed experts MXFP4 when `mxfp4`.
+pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4: bool) -> Result<(), ModelError> {
     let config = parse_config(&config_json.to_string())?;
     let kda_heads = config.text.kda.num_heads;
-    let mut rec = NameRecorder::new(|_| opts.mxfp4);
+    let mut rec = NameRecorder::new(|_| mxfp4);
     Model::build(config, &mut rec)?;
 
     // Draw tensors in sorted order of their logical names (packed experts: the dense `.weight`),
@@ -133,7 +138,7 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
     }
     logical.sort();
     let dtypes: HashMap<&str, Dtype> = rec.tensors.iter().map(|t| (t.name.as_str(), t.dtype)).collect();
-    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut buffers: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape, packed) in &logical {
         let values = init_values(&mut rng, name, shape, kda_heads);
@@ -173,7 +178,7 @@ pub fn make_tiny(out: &Path, opts: &TinyOptions) -> Result<(), ModelError> {
         .map_err(|e| ModelError::Header { path: path.display().to_string(), msg: e.to_string() })?;
     crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))?;
     let cfg_path = out.join("config.json");
-    let text = serde_json::to_string_pretty(&config_json).unwrap_or_default();
+    let text = serde_json::to_string_pretty(config_json).unwrap_or_default();
     std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))?;
     Ok(())
 }

@@ -5,6 +5,8 @@
 //! used by `inspect` to check a shard index without weights). So the name map cannot drift from
 //! the loader.
 
+use std::ops::Range;
+
 use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix, PackedMatrix};
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
@@ -80,6 +82,15 @@ impl Weight {
         }
     }
 
+    /// Bytes of the stored format this weight keeps (a rank's part, for a split weight).
+    pub fn stored_bytes(&self) -> usize {
+        match &self.store {
+            WeightStore::Bf16(b) | WeightStore::F32(b) => b.bytes().len(),
+            WeightStore::Mxfp4 { packed, scales } => packed.bytes().len() + scales.bytes().len(),
+            WeightStore::Absent => 0,
+        }
+    }
+
     pub fn is_mxfp4(&self) -> bool {
         matches!(self.store, WeightStore::Mxfp4 { .. })
     }
@@ -92,35 +103,128 @@ impl Weight {
     }
 }
 
+/// Which part of a stored matrix `[rows, cols]` a rank keeps (tensor parallelism).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    Whole,
+    /// Output rows (a column-parallel linear: heads, intermediate or vocabulary rows).
+    Rows(Range<usize>),
+    /// Input columns (a row-parallel linear, whose partial products are all-reduced).
+    Cols(Range<usize>),
+}
+
+impl Part {
+    /// The kept matrix's `[rows, cols]`.
+    pub fn dims(&self, rows: usize, cols: usize) -> (usize, usize) {
+        match self {
+            Part::Whole => (rows, cols),
+            Part::Rows(r) => (r.len(), cols),
+            Part::Cols(c) => (rows, c.len()),
+        }
+    }
+
+    fn check(&self, name: &str, rows: usize, cols: usize) -> Result<(), ModelError> {
+        let ok = match self {
+            Part::Whole => true,
+            Part::Rows(r) => r.start <= r.end && r.end <= rows,
+            Part::Cols(c) => c.start <= c.end && c.end <= cols,
+        };
+        if ok { Ok(()) } else { Err(ModelError::config(name, format!("shard {self:?} outside [{rows}, {cols}]"))) }
+    }
+}
+
+/// Bytes one rank took of one tensor (the loader's accounting).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadedTensor {
+    pub name: String,
+    /// The whole stored tensor.
+    pub stored_bytes: usize,
+    /// What this rank keeps of it, in the stored format.
+    pub kept_bytes: usize,
+    /// Whether the rank keeps a part (a split tensor) rather than the whole (replicated).
+    pub split: bool,
+    /// A matrix (kept in its stored format) rather than a small vector (widened to f32).
+    pub matrix: bool,
+}
+
 /// What a module needs from a checkpoint.
 pub trait TensorSource {
-    /// A BF16 or F32 matrix stored `[rows, cols]`.
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError>;
-    /// A routed-expert matrix `<base>.weight` (BF16/F32) or `<base>.weight_packed` +
-    /// `<base>.weight_scale` (MXFP4), decided by which names the checkpoint has.
-    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError>;
-    /// A small tensor of the given shape, widened to f32.
-    fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError>;
+    /// `part` of a BF16 or F32 matrix stored `[rows, cols]`.
+    fn matrix_part(&mut self, name: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError>;
+    /// `part` of a routed-expert matrix `<base>.weight` (BF16/F32) or `<base>.weight_packed` +
+    /// `<base>.weight_scale` (MXFP4), decided by which names the checkpoint has. MXFP4 columns
+    /// are cut on 32-value block boundaries.
+    fn expert_matrix_part(&mut self, base: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError>;
+    /// Whether `<base>` is stored MXFP4 (its columns then split in 32-value blocks).
+    fn expert_is_mxfp4(&self, base: &str) -> bool;
+    /// Entries `first` (of the first dimension) of a small tensor of the given shape, widened
+    /// to f32.
+    fn vector_part(&mut self, name: &str, shape: &[usize], first: Range<usize>) -> Result<Vec<f32>, ModelError>;
+
+    /// A whole BF16 or F32 matrix.
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+        self.matrix_part(name, rows, cols, Part::Whole)
+    }
+    /// A whole routed-expert matrix.
+    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+        self.expert_matrix_part(base, rows, cols, Part::Whole)
+    }
+    /// A whole small tensor.
+    fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        self.vector_part(name, shape, 0..shape.first().copied().unwrap_or(1))
+    }
 }
 
 const FLOATS: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
 
+/// Loads from a mapped checkpoint: a row part is a narrower view of the map, a column part a
+/// copy of each row's slice; either way only the part stays resident. Records what it hands out.
 pub struct CheckpointSource<'a> {
     pub ck: &'a Checkpoint,
+    pub loaded: Vec<LoadedTensor>,
+}
+
+impl<'a> CheckpointSource<'a> {
+    pub fn new(ck: &'a Checkpoint) -> Self {
+        CheckpointSource { ck, loaded: Vec::new() }
+    }
+
+    fn record(&mut self, name: &str, stored: usize, kept: usize, split: bool, matrix: bool) {
+        let t = LoadedTensor { name: name.to_string(), stored_bytes: stored, kept_bytes: kept, split, matrix };
+        self.loaded.push(t);
+    }
+
+    /// `part` of `bytes`, rows of `row_bytes` holding `cols` logical columns (BF16: 2 bytes a
+    /// column; MXFP4 packed: 2 columns a byte; MXFP4 scales: 32 columns a byte).
+    fn cut(bytes: TensorBytes, row_bytes: usize, part: &Part, cols: usize) -> TensorBytes {
+        match part {
+            Part::Whole => bytes,
+            Part::Rows(r) => bytes.slice(r.start * row_bytes..r.end * row_bytes),
+            Part::Cols(c) => {
+                let scale = |x: usize| x * row_bytes / cols.max(1);
+                bytes.gather_columns(row_bytes, scale(c.start)..scale(c.end))
+            }
+        }
+    }
 }
 
 impl TensorSource for CheckpointSource<'_> {
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+    fn matrix_part(&mut self, name: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let info = self.ck.expect(name, &[rows, cols], &[Dtype::Bf16, Dtype::F32])?;
-        let bytes = self.ck.bytes(info);
+        part.check(name, rows, cols)?;
+        let elem = info.dtype.size();
+        let bytes = Self::cut(self.ck.bytes(info), cols * elem, &part, cols);
+        let (r, c) = part.dims(rows, cols);
+        let stored = info.nbytes();
+        self.record(name, stored, bytes.bytes().len(), part != Part::Whole, true);
         let store = if info.dtype == Dtype::Bf16 { WeightStore::Bf16(bytes) } else { WeightStore::F32(bytes) };
-        Ok(Weight { rows, cols, store, prepared: None })
+        Ok(Weight { rows: r, cols: c, store, prepared: None })
     }
 
-    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+    fn expert_matrix_part(&mut self, base: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let packed_name = format!("{base}.weight_packed");
         if !self.ck.contains(&packed_name) {
-            return self.matrix(&format!("{base}.weight"), rows, cols);
+            return self.matrix_part(&format!("{base}.weight"), rows, cols, part);
         }
         if !cols.is_multiple_of(32) {
             return Err(ModelError::Shape {
@@ -129,19 +233,41 @@ impl TensorSource for CheckpointSource<'_> {
                 found: vec![rows, cols / 2],
             });
         }
+        part.check(base, rows, cols)?;
+        if let Part::Cols(c) = &part
+            && (!c.start.is_multiple_of(32) || !c.end.is_multiple_of(32))
+        {
+            return Err(ModelError::config(base, format!("MXFP4 columns split off a 32-value block: {c:?}")));
+        }
         let p = self.ck.expect(&packed_name, &[rows, cols / 2], &[Dtype::U8])?;
-        let s = self.ck.expect(&format!("{base}.weight_scale"), &[rows, cols / 32], &[Dtype::U8])?;
-        Ok(Weight {
-            rows,
-            cols,
-            store: WeightStore::Mxfp4 { packed: self.ck.bytes(p), scales: self.ck.bytes(s) },
-            prepared: None,
-        })
+        let scale_name = format!("{base}.weight_scale");
+        let s = self.ck.expect(&scale_name, &[rows, cols / 32], &[Dtype::U8])?;
+        let packed = Self::cut(self.ck.bytes(p), cols / 2, &part, cols);
+        let scales = Self::cut(self.ck.bytes(s), cols / 32, &part, cols);
+        let (stored_p, stored_s) = (p.nbytes(), s.nbytes());
+        let split = part != Part::Whole;
+        self.record(&packed_name, stored_p, packed.bytes().len(), split, true);
+        self.record(&scale_name, stored_s, scales.bytes().len(), split, true);
+        let (r, c) = part.dims(rows, cols);
+        Ok(Weight { rows: r, cols: c, store: WeightStore::Mxfp4 { packed, scales }, prepared: None })
     }
 
-    fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    fn expert_is_mxfp4(&self, base: &str) -> bool {
+        self.ck.contains(&format!("{base}.weight_packed"))
+    }
+
+    fn vector_part(&mut self, name: &str, shape: &[usize], first: Range<usize>) -> Result<Vec<f32>, ModelError> {
         let info = self.ck.expect(name, shape, &FLOATS)?;
-        Ok(self.ck.read_f32(info))
+        let all = self.ck.read_f32(info);
+        let lead = shape.first().copied().unwrap_or(1).max(1);
+        let per = all.len() / lead;
+        if first.start > first.end || first.end > lead {
+            return Err(ModelError::config(name, format!("shard {first:?} outside the first dimension {lead}")));
+        }
+        let kept = all[first.start * per..first.end * per].to_vec();
+        let split = first.len() != lead;
+        self.record(name, info.nbytes(), info.nbytes() / lead * first.len(), split, false);
+        Ok(kept)
     }
 }
 
@@ -175,29 +301,36 @@ impl<'p> NameRecorder<'p> {
 }
 
 impl TensorSource for NameRecorder<'_> {
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+    fn matrix_part(&mut self, name: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let n = (rows * cols) as u64;
         self.push(name.to_string(), vec![rows, cols], n, 2 * n, Dtype::Bf16);
+        let (rows, cols) = part.dims(rows, cols);
         Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
     }
 
-    fn expert_matrix(&mut self, base: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+    fn expert_matrix_part(&mut self, base: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         if (self.packed)(base) {
             let n = (rows * cols) as u64;
             self.push(format!("{base}.weight_packed"), vec![rows, cols / 2], n, n / 2, Dtype::U8);
             self.push(format!("{base}.weight_scale"), vec![rows, cols / 32], 0, n / 32, Dtype::U8);
+            let (rows, cols) = part.dims(rows, cols);
             Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
         } else {
-            self.matrix(&format!("{base}.weight"), rows, cols)
+            self.matrix_part(&format!("{base}.weight"), rows, cols, part)
         }
     }
 
-    fn vector(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    fn expert_is_mxfp4(&self, base: &str) -> bool {
+        (self.packed)(base)
+    }
+
+    fn vector_part(&mut self, name: &str, shape: &[usize], first: Range<usize>) -> Result<Vec<f32>, ModelError> {
         let n: usize = shape.iter().product();
         // The release stores 2-D `*_res_proj` [1, d] in BF16; the 1-D and conv tensors in F32.
         let (bytes, dtype) =
             if name.ends_with("_res_proj.weight") { (2 * n, Dtype::Bf16) } else { (4 * n, Dtype::F32) };
         self.push(name.to_string(), shape.to_vec(), n as u64, bytes as u64, dtype);
-        Ok(vec![0.0; n])
+        let per = n / shape.first().copied().unwrap_or(1).max(1);
+        Ok(vec![0.0; first.len() * per])
     }
 }

@@ -60,9 +60,13 @@ enum PackedData {
 }
 
 impl PackedMatrix {
-    /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32).
+    /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32) or an empty one.
     pub fn pack(m: &Matrix<'_>) -> Option<PackedMatrix> {
         let (rows, cols) = (m.rows(), m.cols());
+        if rows == 0 || cols == 0 {
+            // An empty shard (a rank with no rows of a small dimension): nothing to lay out.
+            return None;
+        }
         let panels = rows.div_ceil(PANEL);
         let pairs = cols.div_ceil(2);
         let data = match m {

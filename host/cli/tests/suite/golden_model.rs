@@ -189,7 +189,7 @@ fn check_case(name: &str) {
         let parts: Vec<&str> = gname.split('.').collect(); // mxfp4.layer1.expert0.w1.dequantized
         let layer: usize = parts[1].trim_start_matches("layer").parse().expect("layer");
         let expert: usize = parts[2].trim_start_matches("expert").parse().expect("expert");
-        let Ffn::Moe(moe) = &model.layers[layer].ffn else { panic!("layer {layer} is not MoE") };
+        let Ffn::Moe(moe) = &model.layers()[layer].ffn else { panic!("layer {layer} is not MoE") };
         let ex = &moe.experts[expert];
         let w = match parts[3] {
             "w1" => &ex.w1,

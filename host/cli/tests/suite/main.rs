@@ -19,6 +19,7 @@ mod grammar;
 mod grammar_direct;
 mod hardening;
 mod loading;
+mod parallel;
 mod plugins;
 mod policies;
 mod sampling_core;

@@ -1,0 +1,196 @@
+//! Tensor parallelism on CPU ranks (threads): a model spread over N ranks gives the logits of
+//! one rank, the same greedy tokens and indexer selections, and each rank holds only its shard
+//! of the weights.
+//!
+//! The only arithmetic difference is where a row-parallel product's sum is cut: each rank sums
+//! its columns, then the all-reduce adds the parts. That re-association moves layer 0's outputs
+//! by f32 rounding (~6e-7 of values ~3), and these random models roughly double a perturbation
+//! per layer (measured: 6e-7 → 3e-4 over 8 layers on k3-tiny at TP 2). So the logits bound here
+//! is 1e-3, a tenth of the goldens' own tolerances, and layer 0 is held to rounding level.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::{Golden, max_abs_diff};
+use kimi_host::model::forward::{Model, Parallelism};
+use kimi_host::model::tiny::{TinyOptions, tiny_config, write_random_checkpoint};
+use kimi_host::model::{LogitsFor, ModelError, SeqInput, Trace};
+
+/// See the module docs.
+const LOGITS_TOL: f32 = 1e-3;
+
+/// Prefill of `prompt` (every position's logits), then greedy decode steps, with each decode
+/// step's trace (the indexer's selections). Returns (prefill logits, decode logits, traces,
+/// greedy tokens).
+fn run(model: &Model, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<f32>, Vec<Trace>, Vec<u32>) {
+    let v = model.text_config().vocab_size;
+    let mut st = model.new_state();
+    let prefill = model.forward(prompt, &mut st, LogitsFor::AllTokens, None).expect("prefill");
+    let mut next = argmax(&prefill[prefill.len() - v..]);
+    let (mut decode, mut traces, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..steps {
+        tokens.push(next);
+        let mut tr = Trace::default();
+        let l = model.forward(&[next], &mut st, LogitsFor::LastToken, Some(&mut tr)).expect("decode");
+        next = argmax(&l);
+        decode.extend(l);
+        traces.push(tr);
+    }
+    (prefill, decode, traces, tokens)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in row.iter().enumerate() {
+        if *x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn selections(tr: &Trace, layers: usize) -> Vec<Vec<i64>> {
+    (0..layers).filter_map(|i| tr.get_i64(&format!("index.layer{i}.selected")).map(|s| s.to_vec())).collect()
+}
+
+/// TP = `n` against TP = 1 on the model in `dir`: prefill and decode logits within 1e-4, the
+/// same greedy tokens and indexer selections, a mixed two-sequence batch likewise, and the
+/// loader's accounting of every rank's shard.
+fn check_against_one_rank(dir: &Path, n: usize, prompt: &[u32]) -> (f32, f32) {
+    let one = Model::load(dir).expect("model loads");
+    let many = Model::load_with(dir, Parallelism { tensor: n }).expect("model loads on ranks");
+    assert_eq!(many.ranks().len(), n);
+    let layers = one.text_config().num_layers;
+    let (p1, d1, t1, g1) = run(&one, prompt, 6);
+    let (pn, dn, tn, gn) = run(&many, prompt, 6);
+    let (dp, dd) = (max_abs_diff(&p1, &pn), max_abs_diff(&d1, &dn));
+    assert!(dp <= LOGITS_TOL, "TP {n}: prefill logits differ by {dp}");
+    assert!(dd <= LOGITS_TOL, "TP {n}: decode logits differ by {dd}");
+    // Layer 0, before any amplification: rounding level.
+    let trace = |m: &Model| {
+        let mut tr = Trace::default();
+        m.forward(prompt, &mut m.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("traced prefill");
+        tr
+    };
+    let (a, b) = (trace(&one), trace(&many));
+    for key in ["embedding", "layer0.mixer_output", "layer0.ffn_output"] {
+        let (x, y) = (a.get_f32(key).expect("traced"), b.get_f32(key).expect("traced"));
+        let scale = x.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let d = max_abs_diff(x, y);
+        assert!(d <= 4.0 * f32::EPSILON * scale * 8.0, "TP {n}: {key} differs by {d} (values up to {scale})");
+    }
+    assert_eq!(g1, gn, "TP {n}: greedy tokens");
+    for (a, b) in t1.iter().zip(&tn) {
+        assert_eq!(selections(a, layers), selections(b, layers), "TP {n}: indexer selections");
+    }
+
+    // Two sequences in one step: one in prefill, one decoding after its own prompt.
+    let mixed = |m: &Model| -> Vec<Vec<f32>> {
+        let (mut a, mut b) = (m.new_state(), m.new_state());
+        m.forward(&prompt[..3], &mut b, LogitsFor::LastToken, None).expect("b's prompt");
+        let mut batch = [
+            SeqInput { ids: prompt, state: &mut a, logits: LogitsFor::AllTokens },
+            SeqInput { ids: &prompt[3..4], state: &mut b, logits: LogitsFor::LastToken },
+        ];
+        m.forward_batch(&mut batch, None).expect("mixed step")
+    };
+    for (x, y) in mixed(&one).iter().zip(&mixed(&many)) {
+        let d = max_abs_diff(x, y);
+        assert!(d <= LOGITS_TOL, "TP {n}: a mixed batch differs by {d}");
+    }
+
+    check_shards(&one, &many);
+    (dp, dd)
+}
+
+/// Every rank's resident weights are its shard, from the loader's accounting: a replicated
+/// tensor whole on every rank, a split one cut so the ranks' parts add up to the stored tensor,
+/// no rank holding it all; and each rank's
+/// weights (counted from the weights themselves) are exactly what the loader handed it.
+fn check_shards(one: &Model, many: &Model) {
+    let n = many.ranks().len();
+    let whole: BTreeMap<&str, usize> =
+        one.ranks()[0].loaded.iter().map(|t| (t.name.as_str(), t.stored_bytes)).collect();
+    let mut summed: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut split_names = 0;
+    for rank in many.ranks() {
+        for t in &rank.loaded {
+            assert_eq!(whole.get(t.name.as_str()), Some(&t.stored_bytes), "{} is a tensor of the model", t.name);
+            if t.split {
+                *summed.entry(&t.name).or_default() += t.kept_bytes;
+                // At most twice the even share: a dimension of 2 MXFP4 blocks over 4 ranks is
+                // the worst case here (half on each of two ranks, nothing on the others).
+                let (r, kept, stored) = (rank.shard.rank, t.kept_bytes, t.stored_bytes);
+                assert!(kept < stored && kept * n <= 2 * stored, "{}: rank {r} keeps {kept} of {stored}", t.name);
+            } else {
+                assert_eq!(t.kept_bytes, t.stored_bytes, "{} is replicated whole", t.name);
+            }
+        }
+        let matrices: usize = rank.loaded.iter().filter(|t| t.matrix).map(|t| t.kept_bytes).sum();
+        assert_eq!(rank.matrix_bytes(), matrices, "rank {}: weights held = weights loaded", rank.shard.rank);
+        let total: usize = rank.loaded.iter().filter(|t| t.matrix).map(|t| t.stored_bytes).sum();
+        assert!(matrices < total, "rank {} holds less than the whole model", rank.shard.rank);
+    }
+    for (name, kept) in &summed {
+        assert_eq!(*kept, whole[name], "{name}: the ranks' parts add up to the tensor");
+        split_names += 1;
+    }
+    assert!(split_names > 0);
+    for needle in ["o_proj", "experts.0.w2", "lm_head", "embed_tokens", "q_b_proj", "kv_b_proj", "q_proj"] {
+        assert!(summed.keys().any(|k| k.contains(needle)), "{needle} is split");
+    }
+}
+
+fn golden_prompt(g: &Golden) -> Vec<u32> {
+    g.ids("decode.prompt_input_ids")
+}
+
+#[test]
+fn tensor_parallel_2_and_4_equal_one_rank_on_the_goldens() {
+    for name in ["k3-tiny", "k3-tiny-mxfp4", "k31-tiny-indexer"] {
+        let g = Golden::open(name);
+        let prompt = golden_prompt(&g);
+        for n in [2, 4] {
+            let (dp, dd) = check_against_one_rank(&g.dir, n, &prompt);
+            eprintln!("{name} TP {n}: max |Δ logits| prefill {dp:.2e}, decode {dd:.2e}");
+        }
+        // The goldens themselves, through TP 2.
+        let many = Model::load_with(&g.dir, Parallelism { tensor: 2 }).expect("loads");
+        let mut st = many.new_state();
+        let steps = g.ids("decode.input_ids");
+        many.forward(&prompt, &mut st, LogitsFor::AllTokens, None).expect("prefill");
+        let mut logits = Vec::new();
+        for &id in &steps {
+            logits.extend(many.forward(&[id], &mut st, LogitsFor::AllTokens, None).expect("decode"));
+        }
+        let d = common::assert_close("decode.logits", &logits, &g.f32("decode.logits"), g.tol_logits());
+        eprintln!("{name} TP 2 against the golden: {d:.2e} (tolerance {:.1e})", g.tol_logits());
+    }
+}
+
+#[test]
+fn tensor_parallel_3_splits_uneven_dimensions() {
+    // 3 KDA and 3 MLA heads; dense intermediate 112, expert intermediate 160 (5 MXFP4 blocks:
+    // 2, 2, 1), shared experts 160, hidden 256 and vocabulary 512: none divides by 3.
+    let mut cfg = tiny_config(&TinyOptions { seed: 7, k31: true, mxfp4: true });
+    let t = &mut cfg["text_config"];
+    t["linear_attn_config"]["num_heads"] = 3.into();
+    t["num_attention_heads"] = 3.into();
+    t["num_key_value_heads"] = 3.into();
+    t["intermediate_size"] = 112.into();
+    t["moe_intermediate_size"] = 160.into();
+    t["index_topk"] = 8.into();
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(dir.path(), &cfg, 7, true).expect("random model");
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 37 % 250) as u32 + 3).collect();
+    let (dp, dd) = check_against_one_rank(dir.path(), 3, &prompt);
+    eprintln!("uneven TP 3: max |Δ logits| prefill {dp:.2e}, decode {dd:.2e}");
+
+    match Model::load_with(dir.path(), Parallelism { tensor: 2 }) {
+        Err(ModelError::Parallel { msg }) => assert!(msg.contains("heads"), "{msg}"),
+        Err(e) => panic!("TP 2 of 3 heads: wrong error {e}"),
+        Ok(_) => panic!("TP 2 of 3 heads must be refused"),
+    }
+}
