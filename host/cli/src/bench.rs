@@ -12,12 +12,14 @@ use serde::Serialize;
 
 use kimi_host::model::checkpoint::Checkpoint;
 use kimi_host::model::profile::OpTimes;
-use kimi_host::model::{LogitsFor, Model, ModelError, SeqInput, SequenceState};
+use kimi_host::model::{LogitsFor, Model, ModelError, Parallelism, SeqInput, SequenceState};
 
 #[derive(Debug, Serialize)]
 pub struct ForwardBench {
     pub simd: &'static str,
     pub threads: usize,
+    /// Tensor-parallel ranks (threads sharing `threads`).
+    pub tensor_parallel: usize,
     pub prompt_len: usize,
     pub decode_steps: usize,
     /// One prompt alone.
@@ -64,6 +66,9 @@ pub struct BatchRun {
     pub speedup: f64,
     /// Share of the decode steps' wall time per kind of op (`kda`, `moe`, `lm_head`, …).
     pub op_shares: BTreeMap<&'static str, f64>,
+    /// Collectives one rank makes in a decode step (0 at TP 1) and the bytes it sends in them.
+    pub collectives_per_step: f64,
+    pub comm_bytes_per_step: f64,
 }
 
 /// Best-of-3 multithreaded read bandwidth over a buffer of `bytes`.
@@ -170,7 +175,13 @@ fn prompt(vocab: usize, len: usize, seed: u64) -> Vec<u32> {
 
 /// Prefills `batch` different prompts (one batched step each chunk of sequences), then times
 /// `decode` steps of all of them together.
-fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -> Result<(f64, OpTimes), ModelError> {
+/// Decode timing of `batch` sequences: seconds, op times and the collectives made meanwhile.
+fn decode_batch(
+    model: &Model,
+    prompt_len: usize,
+    batch: usize,
+    decode: usize,
+) -> Result<(f64, OpTimes, kimi_kernels::CommStats), ModelError> {
     let c = model.text_config();
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(c.vocab_size, prompt_len, i as u64)).collect();
     let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
@@ -186,6 +197,7 @@ fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -
         next.extend(model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32));
     }
     let mut times = OpTimes::default();
+    let comm_before = model.comm_stats();
     let t = Instant::now();
     for _ in 0..decode {
         let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
@@ -196,7 +208,8 @@ fn decode_batch(model: &Model, prompt_len: usize, batch: usize, decode: usize) -
             .collect();
         next = model.forward_batch_profiled(&mut inputs, &mut times)?.iter().map(|l| argmax(l) as u32).collect();
     }
-    Ok((t.elapsed().as_secs_f64(), times))
+    let secs = t.elapsed().as_secs_f64();
+    Ok((secs, times, model.comm_stats().since(&comm_before)))
 }
 
 pub fn bench_forward(
@@ -204,8 +217,9 @@ pub fn bench_forward(
     prompt_len: usize,
     decode: usize,
     batches: &[usize],
+    par: Parallelism,
 ) -> Result<ForwardBench, ModelError> {
-    let model = Model::load(dir)?;
+    let model = Model::load_with(dir, par)?;
     let c = model.text_config();
     let prompt = prompt(c.vocab_size, prompt_len, 0);
     let mut state = model.new_state();
@@ -227,7 +241,8 @@ pub fn bench_forward(
     let mut runs: Vec<BatchRun> = Vec::new();
     for &b in batches {
         let b = b.max(1);
-        let (secs, times) = decode_batch(&model, prompt.len(), b, decode)?;
+        let (secs, times, comm) = decode_batch(&model, prompt.len(), b, decode)?;
+        let per_step = |x: u64| if decode > 0 && par.tensor > 1 { x as f64 / decode as f64 } else { 0.0 };
         let tps = if decode > 0 { (b * decode) as f64 / secs } else { 0.0 };
         let bytes = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, b)) as u64;
         let steps_per_s = if decode > 0 { decode as f64 / secs } else { 0.0 };
@@ -245,6 +260,8 @@ pub fn bench_forward(
             peak_ratio: if peak > 0.0 { gflops / peak } else { 0.0 },
             speedup,
             op_shares: times.shares().into_iter().map(|(k, v)| (k.name(), v)).collect(),
+            collectives_per_step: per_step(comm.collectives()),
+            comm_bytes_per_step: per_step(comm.bytes_sent),
         });
     }
     let first = &runs[0];
@@ -253,6 +270,7 @@ pub fn bench_forward(
     Ok(ForwardBench {
         simd: kimi_kernels::simd_level().name(),
         threads: rayon::current_num_threads(),
+        tensor_parallel: par.tensor,
         prompt_len: prompt.len(),
         decode_steps: decode,
         prefill_seconds: prefill,
@@ -321,6 +339,18 @@ impl std::fmt::Display for ForwardBench {
         }
         for r in &self.batches {
             writeln!(f, "  batch {:>3} time shares: {}", r.batch, shares_text(&r.op_shares))?;
+        }
+        if self.tensor_parallel > 1 {
+            writeln!(f, "tensor parallel {}: per rank and decode step", self.tensor_parallel)?;
+            for r in &self.batches {
+                writeln!(
+                    f,
+                    "  batch {:>3}: {:.0} collectives, {:.1} KB sent",
+                    r.batch,
+                    r.collectives_per_step,
+                    r.comm_bytes_per_step / 1e3
+                )?;
+            }
         }
         Ok(())
     }

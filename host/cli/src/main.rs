@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use safetensors::{Dtype, tensor::TensorView};
 
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
-use kimi_host::model::{LogitsFor, Model};
+use kimi_host::model::{LogitsFor, Model, Parallelism};
 use kimi_host::server::tenants::PluginRef;
 use kimi_host::tokenizer::Tokenizer;
 use kimi_host_cli::bench::{argmax, bench_forward};
@@ -74,6 +74,10 @@ enum Command {
         /// Output file: `prefill_logits` [T, V] and, with --decode-ids, `decode_logits` [N, V].
         #[arg(long)]
         out: PathBuf,
+        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
+        /// vocabulary split across them.
+        #[arg(long, default_value_t = 1)]
+        tensor_parallel: usize,
     },
     /// Greedy generation; prints one id per line.
     Generate {
@@ -87,6 +91,10 @@ enum Command {
         /// Keep going after the end-of-message token.
         #[arg(long)]
         ignore_eos: bool,
+        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
+        /// vocabulary split across them.
+        #[arg(long, default_value_t = 1)]
+        tensor_parallel: usize,
     },
     /// Write a small random checkpoint in the real Kimi-K3 layout.
     MakeTiny {
@@ -146,6 +154,9 @@ enum Command {
         /// Listen address (overrides the file's `listen`).
         #[arg(long)]
         listen: Option<String>,
+        /// Tensor-parallel ranks (overrides the file's `tensor_parallel`).
+        #[arg(long)]
+        tensor_parallel: Option<usize>,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -242,6 +253,10 @@ enum BenchCommand {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
+        /// vocabulary split across them.
+        #[arg(long, default_value_t = 1)]
+        tensor_parallel: usize,
         #[arg(long)]
         json: bool,
     },
@@ -257,8 +272,9 @@ fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     raw.iter().map(|&x| u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))).collect()
 }
 
-fn load(dir: &Path) -> Result<Model> {
-    Model::load(dir).with_context(|| format!("loading model from {}", dir.display()))
+fn load(dir: &Path, tensor_parallel: usize) -> Result<Model> {
+    Model::load_with(dir, Parallelism { tensor: tensor_parallel })
+        .with_context(|| format!("loading model from {}", dir.display()))
 }
 
 /// The server configuration (file or embedded default, flags on top) and its loaded state.
@@ -266,6 +282,7 @@ fn server_state(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
+    tensor_parallel: Option<usize>,
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -277,6 +294,9 @@ fn server_state(
     }
     if let Some(l) = listen {
         cfg.listen = l;
+    }
+    if let Some(n) = tensor_parallel {
+        cfg.tensor_parallel = Some(n);
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -299,9 +319,14 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
-fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>) -> Result<()> {
+fn serve(
+    config: Option<PathBuf>,
+    model: Option<PathBuf>,
+    listen: Option<String>,
+    tensor_parallel: Option<usize>,
+) -> Result<()> {
     use kimi_host::server::{embedded, serve};
-    let (cfg, state) = server_state(config, model, listen)?;
+    let (cfg, state) = server_state(config, model, listen, tensor_parallel)?;
     let addr = cfg.listen_addr()?;
     let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
     runtime()?.block_on(async move {
@@ -318,7 +343,7 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve { config, model, listen } => serve(config, model, listen)?,
+        Command::Serve { config, model, listen, tensor_parallel } => serve(config, model, listen, tensor_parallel)?,
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
@@ -327,15 +352,15 @@ fn main() -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Logits { model, prompt_ids, decode_ids, out } => {
-            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out)?
+        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel } => {
+            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, tensor_parallel)?
         }
-        Command::Generate { model, prompt_ids, max_tokens, ignore_eos } => {
+        Command::Generate { model, prompt_ids, max_tokens, ignore_eos, tensor_parallel } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let m = load(&model)?;
+            let m = load(&model, tensor_parallel)?;
             let eos = m.text_config().eos_token_id;
             let mut state = m.new_state();
             let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
@@ -374,7 +399,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None)?;
+            let (_, state) = server_state(config, model, None, None)?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,
@@ -392,7 +417,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
             soak_cmd(duration, concurrency, seed, hostile, json)?
         }
-        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, json }) => {
+        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, tensor_parallel, json }) => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
@@ -401,7 +426,7 @@ fn main() -> Result<()> {
             if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
-            let r = bench_forward(&model, prompt_len, decode, &batch)?;
+            let r = bench_forward(&model, prompt_len, decode, &batch, Parallelism { tensor: tensor_parallel })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -413,13 +438,19 @@ fn main() -> Result<()> {
 }
 
 /// `logits`: prefill (and optional decode) logits of a prompt, written as safetensors.
-fn logits_cmd(model: &Path, prompt_ids: &str, decode_ids: Option<&str>, out: &Path) -> Result<()> {
+fn logits_cmd(
+    model: &Path,
+    prompt_ids: &str,
+    decode_ids: Option<&str>,
+    out: &Path,
+    tensor_parallel: usize,
+) -> Result<()> {
     let prompt = parse_ids(prompt_ids, "--prompt-ids")?;
     if prompt.is_empty() {
         bail!("--prompt-ids must hold at least one id");
     }
     let decode = decode_ids.map(|d| parse_ids(d, "--decode-ids")).transpose()?;
-    let m = load(model)?;
+    let m = load(model, tensor_parallel)?;
     let v = m.text_config().vocab_size;
     let mut state = m.new_state();
     let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;

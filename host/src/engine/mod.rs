@@ -261,7 +261,14 @@ impl Engine {
         stats.total_pages.store(pool.total_pages, Ordering::Relaxed);
         let empty_pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
         let max_context = model.text_config().max_position_embeddings;
-        let backend = model.backend().describe();
+        let backend = match model.ranks().len() {
+            1 => model.backend().describe(),
+            n => format!(
+                "{} · tensor parallel {n} (threads per rank: {})",
+                model.backend().describe(),
+                model.rank_threads()
+            ),
+        };
         let (tx, rx) = mpsc::channel();
         // The state arenas: as many KDA slots and latent pages as the pool can grant, set aside now.
         let arenas = model.state_arenas(pool.total_slots, pool.total_pages).map_err(EngineStartError::StateMemory)?;

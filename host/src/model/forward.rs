@@ -272,6 +272,11 @@ impl Model {
         &self.ranks
     }
 
+    /// Worker threads each rank runs on.
+    pub fn rank_threads(&self) -> usize {
+        self.ranks[0].pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    }
+
     /// The config each rank sizes its state from (heads divided by the rank count).
     pub fn rank_config(&self) -> &TextConfig {
         &self.rank_config

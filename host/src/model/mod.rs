@@ -24,7 +24,7 @@ pub mod weights;
 pub use batch::{BatchLayout, SeqInput, Span};
 pub use config::{ModelConfig, TextConfig};
 pub use error::ModelError;
-pub use forward::{LogitsFor, Model};
+pub use forward::{LogitsFor, Model, Parallelism};
 pub use scratch::{Buf, Scratch};
 pub use slots::SlotArena;
 pub use state::{SequenceState, StateArenas};

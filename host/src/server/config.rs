@@ -36,6 +36,8 @@ pub struct ServeConfig {
     pub model_name: Option<String>,
     /// Compute threads (default: all cores).
     pub threads: Option<usize>,
+    /// Tensor-parallel ranks the model is spread over (default 1).
+    pub tensor_parallel: Option<usize>,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -297,6 +299,7 @@ impl ServeConfig {
             tokenizer: None,
             model_name: None,
             threads: None,
+            tensor_parallel: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),
@@ -322,6 +325,11 @@ impl ServeConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(n) = self.tensor_parallel
+            && !(1..=64).contains(&n)
+        {
+            return Err(ConfigError::Invalid(format!("tensor_parallel: {n} ranks (1 to 64)")));
+        }
         if self.tenants.is_empty() {
             return Err(ConfigError::Invalid("at least one [[tenants]] entry is needed".into()));
         }

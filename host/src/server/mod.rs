@@ -29,7 +29,7 @@ use tower_http::trace::TraceLayer;
 
 use crate::engine::Engine;
 use crate::grammar::GrammarEngine;
-use crate::model::Model;
+use crate::model::{Model, Parallelism};
 use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
 use crate::tokenizer::Tokenizer;
 use config::{HttpSection, LimitsSection, OperatorSection, ServeConfig, key_hash};
@@ -79,7 +79,8 @@ impl AppState {
     pub fn build(cfg: &ServeConfig, model_dir: &std::path::Path) -> Result<AppState, ServeError> {
         cfg.validate()?;
         let model = Arc::new(
-            Model::load(model_dir).map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
+            Model::load_with(model_dir, Parallelism { tensor: cfg.tensor_parallel.unwrap_or(1) })
+                .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
         );
         let tok_dir = cfg.tokenizer.clone().unwrap_or_else(|| model_dir.to_path_buf());
         let tok = Arc::new(

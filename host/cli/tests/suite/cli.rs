@@ -173,6 +173,38 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
         assert!((sum - 1.0).abs() < 1e-6, "shares add up to the step: {sum}");
         assert!(["kda", "mla", "moe", "lm_head"].iter().all(|k| shares[*k].as_f64().is_some_and(|x| x > 0.0)));
     }
+
+    // Two tensor-parallel ranks: the same greedy tokens, and the collectives of a decode step are
+    // ATOM's schedule — the embedding, one per mixer, one per dense MLP, two per latent MoE
+    // layer (routed sum before the norm, then the layer's output), and the logits all-gather.
+    let tp2 = run_ok(bin().args(["generate", "--model"]).arg(dir.path()).args([
+        "--prompt-ids",
+        "[1,2,3]",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--tensor-parallel",
+        "2",
+    ]));
+    assert_eq!(tp2, a, "greedy tokens at TP 2");
+    let bench = run_ok(bin().args(["bench", "forward", "--model"]).arg(dir.path()).args([
+        "--prompt-len",
+        "16",
+        "--decode",
+        "2",
+        "--batch",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
+    assert_eq!(v["tensor_parallel"].as_u64(), Some(2));
+    let moe = (0..c.num_layers).filter(|&i| c.is_moe_layer(i)).count();
+    let want = 1 + c.num_layers + (c.num_layers - moe) + 2 * moe + 1;
+    let run = &v["batches"][0];
+    assert_eq!(run["collectives_per_step"].as_f64(), Some(want as f64), "collectives a decode step");
+    assert!(run["comm_bytes_per_step"].as_f64().is_some_and(|b| b > 0.0));
 }
 
 #[test]

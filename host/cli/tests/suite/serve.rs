@@ -106,9 +106,9 @@ fn openai_client_against_kimi_host_serve() {
     make_tiny(&model, &TinyOptions { seed: 3, k31: true, mxfp4: true }).expect("make-tiny");
     let cache = dir.path().join("plugin-cache");
     let (main, small) = (free_port(), free_port());
-    let config = |addr: SocketAddr, extra: &str, tenants: &str| {
+    let config = |addr: SocketAddr, top: &str, extra: &str, tenants: &str| {
         format!(
-            "listen = \"{addr}\"\nmodel = \"{}\"\nmodel_name = \"kimi-tiny\"\nplugin_cache = \"{}\"\n\
+            "listen = \"{addr}\"\nmodel = \"{}\"\nmodel_name = \"kimi-tiny\"\nplugin_cache = \"{}\"\n{top}\n\
              [limits]\nmax_context = 8192\n{extra}\n{tenants}",
             model.display(),
             cache.display()
@@ -117,8 +117,11 @@ fn openai_client_against_kimi_host_serve() {
     let main_cfg = dir.path().join("main.toml");
     std::fs::write(
         &main_cfg,
+        // The main server spreads the model over two tensor-parallel ranks: the suite must not
+        // see a difference.
         config(
             main,
+            "tensor_parallel = 2",
             "[engine]\nmax_seqs = 64\nstate_memory = \"512MiB\"\nqueue_timeout_ms = 60000",
             &format!(
                 "[[tenants]]\nname = \"a\"\napi_key_sha256 = [\"{}\"]\n\
@@ -147,6 +150,7 @@ fn openai_client_against_kimi_host_serve() {
         &small_cfg,
         config(
             small,
+            "",
             &format!("[engine]\nmax_seqs = 8\nstate_memory = \"{}\"\nqueue_timeout_ms = 300", 2 * per_seq + 1),
             "[[tenants]]\nname = \"local\"\nanonymous = true\n",
         ),
