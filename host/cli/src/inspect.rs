@@ -7,11 +7,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use kimi_host::model::ModelError;
 use kimi_host::model::checkpoint::{Checkpoint, parse_weight_map};
 use kimi_host::model::config::{MixerKind, load_config};
 use kimi_host::model::forward::{Model, PREFIX};
-use kimi_host::model::weights::{NameRecorder, RecordedTensor};
-use kimi_host::model::{ModelError, TextConfig};
+use kimi_host::model::plan::weight_kind;
+use kimi_host::model::weights::NameRecorder;
 
 #[derive(Debug, Serialize)]
 pub struct InspectReport {
@@ -67,7 +68,7 @@ impl NameCheck {
 
 /// Tensor names of the checkpoint in `dir`, from its index (`.json` or `.json.gz`) or its single
 /// safetensors file; None when there is neither.
-fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelError> {
+pub fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelError> {
     let io = |p: &Path, e: std::io::Error| ModelError::Io { path: p.display().to_string(), source: e };
     for file in ["model.safetensors.index.json", "model.safetensors.index.json.gz"] {
         let p = dir.join(file);
@@ -91,36 +92,6 @@ fn listed_names(dir: &Path) -> Result<Option<(String, BTreeSet<String>)>, ModelE
     Ok(None)
 }
 
-fn kind_of(t: &RecordedTensor, c: &TextConfig) -> &'static str {
-    let n = &t.name;
-    let layer = n
-        .strip_prefix("language_model.model.layers.")
-        .and_then(|r| r.split('.').next())
-        .and_then(|i| i.parse::<usize>().ok());
-    if n.contains("embed_tokens") {
-        "embedding"
-    } else if n.contains("lm_head") {
-        "lm_head"
-    } else if n.contains(".experts.") {
-        "routed_experts"
-    } else if n.contains("shared_experts") {
-        "shared_experts"
-    } else if n.contains("block_sparse_moe.") {
-        "moe_router_latent_norm"
-    } else if n.contains(".mlp.") {
-        "dense_mlp"
-    } else if n.contains(".self_attn.indexer.") {
-        "indexer"
-    } else if n.contains(".self_attn.") {
-        match layer.map(|i| c.layer_kinds[i]) {
-            Some(MixerKind::Kda) => "kda_mixer",
-            _ => "mla_mixer",
-        }
-    } else {
-        "norms_and_attn_res"
-    }
-}
-
 pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, ModelError> {
     let config = load_config(dir)?;
     let c = config.text.clone();
@@ -133,7 +104,7 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
 
     let mut params_by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for t in &rec.tensors {
-        *params_by_kind.entry(kind_of(t, &c).to_string()).or_default() += t.params;
+        *params_by_kind.entry(weight_kind(t, &c).to_string()).or_default() += t.params;
     }
     let total: u64 = params_by_kind.values().sum();
     let routed = params_by_kind.get("routed_experts").copied().unwrap_or(0);

@@ -8,3 +8,4 @@ pub mod bench_serve;
 pub mod bench_soak;
 pub mod bench_tokenizer;
 pub mod inspect;
+pub mod plan;

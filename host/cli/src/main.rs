@@ -61,6 +61,38 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Per-GPU memory plan of a deployment: weights by kind, KDA state per sequence, latent and
+    /// indexer bytes per token, activations, and how many sequences of a context fit. Refuses
+    /// (non-zero exit) a plan that does not fit, naming the term.
+    Plan {
+        /// Checkpoint or config directory (config.json, optionally the shard index).
+        model_dir: PathBuf,
+        #[arg(long, default_value_t = 8)]
+        gpus: usize,
+        /// Memory per GPU, e.g. 288GB or 192GiB.
+        #[arg(long, default_value = "288GB")]
+        gpu_memory: String,
+        /// Context tokens per sequence.
+        #[arg(long, default_value_t = 1_000_000)]
+        context: usize,
+        /// Default: every GPU.
+        #[arg(long)]
+        tensor_parallel: Option<usize>,
+        /// Ranks of the tensor-parallel group that split a sequence's latent cache by tokens.
+        #[arg(long, default_value_t = 1)]
+        context_parallel: usize,
+        /// Requantise attention, dense and shared-expert linears to FP8.
+        #[arg(long)]
+        fp8_dense: bool,
+        /// Latent cache storage: bf16, fp8 or f32.
+        #[arg(long, default_value = "bf16")]
+        kv_cache_dtype: String,
+        /// Tokens of the largest step (prefill chunk), for the activation estimate.
+        #[arg(long, default_value_t = 8192)]
+        step_tokens: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write prefill (and cached decode) logits to a safetensors file.
     Logits {
         #[arg(long)]
@@ -262,6 +294,31 @@ enum BenchCommand {
     },
 }
 
+/// "288GB" (10^9), "192GiB" (2^30), "512MiB", or bytes.
+fn parse_memory(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().with_context(|| format!("--gpu-memory {s}: a number and a unit, e.g. 288GB"))?;
+    let scale = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0f64.powi(4),
+        u => bail!("--gpu-memory {s}: unknown unit {u:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"),
+    };
+    let bytes = n * scale;
+    if !(1.0..=1e15).contains(&bytes) {
+        bail!("--gpu-memory {s}: out of range");
+    }
+    Ok(bytes as u64)
+}
+
 fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     let text = match arg.strip_prefix('@') {
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {what} from {path}"))?,
@@ -350,6 +407,40 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{report}");
+            }
+        }
+        Command::Plan {
+            model_dir,
+            gpus,
+            gpu_memory,
+            context,
+            tensor_parallel,
+            context_parallel,
+            fp8_dense,
+            kv_cache_dtype,
+            step_tokens,
+            json,
+        } => {
+            use kimi_host::model::plan::{CacheDtype, PlanRequest};
+            let gpu_memory = parse_memory(&gpu_memory)?;
+            let cache = CacheDtype::parse(&kv_cache_dtype)
+                .with_context(|| format!("--kv-cache-dtype {kv_cache_dtype}: one of bf16, fp8, f32"))?;
+            let req = PlanRequest {
+                gpus,
+                gpu_memory,
+                context,
+                tensor_parallel,
+                context_parallel,
+                fp8_dense,
+                cache,
+                step_tokens,
+            };
+            let p = kimi_host_cli::plan::plan_dir(&model_dir, &req)
+                .with_context(|| format!("planning {}", model_dir.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&p)?);
+            } else {
+                print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
         }
         Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel } => {

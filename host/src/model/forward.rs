@@ -183,6 +183,13 @@ impl Model {
         Ok(model)
     }
 
+    /// Runs rank `sh`'s loader against `src` (a name recorder: what that rank would map, for
+    /// planning without weights), after checking that `sh.size` can split the heads.
+    pub fn record_shard(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard) -> Result<(), ModelError> {
+        rank_config(c, sh.size)?;
+        Model::build_rank(c, src, sh, ThreadComm::group(1).remove(0)).map(drop)
+    }
+
     /// Rank `sh`'s part of every weight: vocabulary rows of the embedding and LM head, and each
     /// layer's shard (see the layers' `load`); norms and AttnRes queries are replicated.
     fn build_rank(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard, comm: ThreadComm) -> Result<Rank, ModelError> {

@@ -12,6 +12,7 @@ pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod plan;
 pub mod profile;
 pub mod scratch;
 pub mod shard;

@@ -281,6 +281,10 @@ pub struct RecordedTensor {
     /// Stored bytes under the release dtypes (BF16 matrices, F32 small tensors, MXFP4 experts).
     pub bytes: u64,
     pub dtype: Dtype,
+    /// What a rank keeps of it (its shard's part; all of it when replicated or unsharded).
+    pub kept: u64,
+    /// Rows of the kept part (for per-row scales of a requantised matrix; 1 for a vector).
+    pub kept_rows: u64,
 }
 
 /// Records names and shapes instead of loading. `packed(base)` says whether an expert matrix is
@@ -296,7 +300,19 @@ impl<'p> NameRecorder<'p> {
     }
 
     fn push(&mut self, name: String, shape: Vec<usize>, params: u64, bytes: u64, dtype: Dtype) {
-        self.tensors.push(RecordedTensor { name, shape, params, bytes, dtype });
+        let kept_rows = if shape.len() == 2 { shape[0] as u64 } else { 1 };
+        self.tensors.push(RecordedTensor { name, shape, params, bytes, dtype, kept: bytes, kept_rows });
+    }
+
+    /// Marks the last `n` recorded tensors as kept in the fraction `part` of `[rows, cols]` says.
+    fn keep_part(&mut self, n: usize, rows: usize, cols: usize, part: &Part) {
+        let (r, c) = part.dims(rows, cols);
+        let whole = (rows * cols).max(1) as u64;
+        let at = self.tensors.len().saturating_sub(n);
+        for t in &mut self.tensors[at..] {
+            t.kept = t.bytes * (r * c) as u64 / whole;
+            t.kept_rows = r as u64;
+        }
     }
 }
 
@@ -304,6 +320,7 @@ impl TensorSource for NameRecorder<'_> {
     fn matrix_part(&mut self, name: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let n = (rows * cols) as u64;
         self.push(name.to_string(), vec![rows, cols], n, 2 * n, Dtype::Bf16);
+        self.keep_part(1, rows, cols, &part);
         let (rows, cols) = part.dims(rows, cols);
         Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
     }
@@ -313,6 +330,7 @@ impl TensorSource for NameRecorder<'_> {
             let n = (rows * cols) as u64;
             self.push(format!("{base}.weight_packed"), vec![rows, cols / 2], n, n / 2, Dtype::U8);
             self.push(format!("{base}.weight_scale"), vec![rows, cols / 32], 0, n / 32, Dtype::U8);
+            self.keep_part(2, rows, cols, &part);
             let (rows, cols) = part.dims(rows, cols);
             Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
         } else {
@@ -330,7 +348,12 @@ impl TensorSource for NameRecorder<'_> {
         let (bytes, dtype) =
             if name.ends_with("_res_proj.weight") { (2 * n, Dtype::Bf16) } else { (4 * n, Dtype::F32) };
         self.push(name.to_string(), shape.to_vec(), n as u64, bytes as u64, dtype);
-        let per = n / shape.first().copied().unwrap_or(1).max(1);
+        let lead = shape.first().copied().unwrap_or(1).max(1);
+        if let Some(t) = self.tensors.last_mut() {
+            t.kept = t.bytes * first.len() as u64 / lead as u64;
+            t.kept_rows = 1;
+        }
+        let per = n / lead;
         Ok(vec![0.0; first.len() * per])
     }
 }

@@ -20,6 +20,7 @@ mod grammar_direct;
 mod hardening;
 mod loading;
 mod parallel;
+mod plan;
 mod plugins;
 mod policies;
 mod sampling_core;
