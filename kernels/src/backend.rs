@@ -27,7 +27,8 @@ impl SeqSpan {
 }
 
 /// One sequence's cached rows of one layer through its page table: row `s` lives in
-/// `pages[s / page_tokens]` at `(s % page_tokens) * width`.
+/// `pages[s / page_tokens]` at `(s % page_tokens) * width`. Under context parallelism the table
+/// has holes — empty pages another rank holds — and ops skip the positions in them.
 #[derive(Clone, Debug)]
 pub struct PagedRows<'a> {
     pub pages: Vec<&'a [f32]>,
@@ -36,6 +37,11 @@ pub struct PagedRows<'a> {
 }
 
 impl<'a> PagedRows<'a> {
+    /// Whether this table holds position `s` (not a hole).
+    pub fn holds(&self, s: usize) -> bool {
+        self.pages.get(s / self.page_tokens).is_some_and(|p| !p.is_empty())
+    }
+
     pub fn row(&self, s: usize) -> &'a [f32] {
         let at = (s % self.page_tokens) * self.width;
         &self.pages[s / self.page_tokens][at..at + self.width]
@@ -207,7 +213,10 @@ pub trait Backend: Send + Sync {
     /// Absorbed MLA attention (spec §2.5) over paged latent rows `[c (rank) | k_pe]`: token `t`
     /// of sequence `rows[t].0` at position `rows[t].1`, head `h`, attends with query
     /// `q[t, h]` (`width` = rank + rope values) over `selected[t]` (or every position ≤ its own)
-    /// of `caches[seq]`, and writes the latent context `ctx[t, h]` (`rank` values).
+    /// of `caches[seq]` that the page table holds, and writes the latent context `ctx[t, h]`
+    /// (`rank` values). With `lse` (`[tokens, heads]`) it also writes the log-sum-exp of the
+    /// scaled scores (−∞ and a zero context when no position is held): a context-parallel
+    /// partial for [`Backend::attention_merge`].
     #[allow(clippy::too_many_arguments)]
     fn mla_attention(
         &self,
@@ -219,11 +228,18 @@ pub trait Backend: Send + Sync {
         caches: &[PagedRows<'_>],
         selected: Option<&[Selection]>,
         ctx: &mut [f32],
+        lse: Option<&mut [f32]>,
     );
+
+    /// Merges context-parallel attention partials exactly: per row of `width` values,
+    /// `out = Σ_r e^{lse_r − m} part_r / Σ_r e^{lse_r − m}` with `m = max_r lse_r`, in part order.
+    /// `parts[r]` is `[rows, width]` and `lses[r]` `[rows]`.
+    fn attention_merge(&self, parts: &[&[f32]], lses: &[&[f32]], width: usize, out: &mut [f32]);
 
     /// K3.1 indexer (spec §5): for query token `t` (sequence `rows[t].0`, position `rows[t].1`),
     /// `I(t, s) = Σ_j w[t, j] · scale · relu(q[t, j] · key[s])` over that sequence's keys
-    /// `s ≤ pos`, and the top `topk` positions (ties to the lower position).
+    /// `s ≤ pos` the page table holds (NaN scores for its holes), and the top `topk` of them
+    /// (ties to the lower position).
     #[allow(clippy::too_many_arguments)]
     fn indexer_topk(
         &self,

@@ -483,7 +483,7 @@ fn mla_latent_maps_and_attention_match_reference() {
             .collect();
         for selected in [None, Some(sel.as_slice())] {
             let mut ctx = vec![0f32; tokens * heads * rank];
-            be.mla_attention(&q_abs, heads, rank, 0.3, &rows, &caches, selected, &mut ctx);
+            be.mla_attention(&q_abs, heads, rank, 0.3, &rows, &caches, selected, &mut ctx, None);
             let mut want = vec![0f64; ctx.len()];
             for (t, &(seq, pos)) in rows.iter().enumerate() {
                 let cand: Vec<usize> = selected.map_or((0..=pos).collect(), |s| s[t].tokens.clone());
@@ -504,6 +504,42 @@ fn mla_latent_maps_and_attention_match_reference() {
                 }
             }
             assert_close(&ctx, &want, 1e-5, &format!("{name} mla_attention selected={}", selected.is_some()));
+
+            // Context parallelism: 2 and 3 ranks, each holding every n-th page (holes elsewhere),
+            // give partials whose merge is the whole attention.
+            for n in [2usize, 3] {
+                let mut parts = Vec::new();
+                let mut lses = Vec::new();
+                for r in 0..n {
+                    fn holed(pages: &[Vec<f32>], n: usize, r: usize) -> Vec<&[f32]> {
+                        pages.iter().enumerate().map(|(i, p)| if i % n == r { p.as_slice() } else { &[][..] }).collect()
+                    }
+                    let part_caches = [
+                        PagedRows { pages: holed(&pa, n, r), page_tokens: 4, width },
+                        PagedRows { pages: holed(&pb, n, r), page_tokens: 4, width },
+                    ];
+                    let mut part = vec![0f32; tokens * heads * rank];
+                    let mut lse = vec![0f32; tokens * heads];
+                    be.mla_attention(
+                        &q_abs,
+                        heads,
+                        rank,
+                        0.3,
+                        &rows,
+                        &part_caches,
+                        selected,
+                        &mut part,
+                        Some(&mut lse),
+                    );
+                    parts.push(part);
+                    lses.push(lse);
+                }
+                let parts_ref: Vec<&[f32]> = parts.iter().map(|p| p.as_slice()).collect();
+                let lses_ref: Vec<&[f32]> = lses.iter().map(|l| l.as_slice()).collect();
+                let mut merged = vec![0f32; ctx.len()];
+                be.attention_merge(&parts_ref, &lses_ref, rank, &mut merged);
+                assert_close(&merged, &want, 1e-5, &format!("{name} mla_attention over {n} context-parallel ranks"));
+            }
         }
     }
 }

@@ -110,6 +110,10 @@ enum Command {
         /// vocabulary split across them.
         #[arg(long, default_value_t = 1)]
         tensor_parallel: usize,
+        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
+        /// latent cache by pages and merge their attention exactly.
+        #[arg(long, default_value_t = 1)]
+        context_parallel: usize,
     },
     /// Greedy generation; prints one id per line.
     Generate {
@@ -127,6 +131,10 @@ enum Command {
         /// vocabulary split across them.
         #[arg(long, default_value_t = 1)]
         tensor_parallel: usize,
+        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
+        /// latent cache by pages and merge their attention exactly.
+        #[arg(long, default_value_t = 1)]
+        context_parallel: usize,
     },
     /// Write a small random checkpoint in the real Kimi-K3 layout.
     MakeTiny {
@@ -189,6 +197,9 @@ enum Command {
         /// Tensor-parallel ranks (overrides the file's `tensor_parallel`).
         #[arg(long)]
         tensor_parallel: Option<usize>,
+        /// Context-parallel ranks (overrides the file's `context_parallel`).
+        #[arg(long)]
+        context_parallel: Option<usize>,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -289,6 +300,10 @@ enum BenchCommand {
         /// vocabulary split across them.
         #[arg(long, default_value_t = 1)]
         tensor_parallel: usize,
+        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
+        /// latent cache by pages and merge their attention exactly.
+        #[arg(long, default_value_t = 1)]
+        context_parallel: usize,
         #[arg(long)]
         json: bool,
     },
@@ -329,9 +344,8 @@ fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     raw.iter().map(|&x| u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))).collect()
 }
 
-fn load(dir: &Path, tensor_parallel: usize) -> Result<Model> {
-    Model::load_with(dir, Parallelism { tensor: tensor_parallel })
-        .with_context(|| format!("loading model from {}", dir.display()))
+fn load(dir: &Path, par: Parallelism) -> Result<Model> {
+    Model::load_with(dir, par).with_context(|| format!("loading model from {}", dir.display()))
 }
 
 /// The server configuration (file or embedded default, flags on top) and its loaded state.
@@ -339,7 +353,7 @@ fn server_state(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    tensor_parallel: Option<usize>,
+    par: (Option<usize>, Option<usize>),
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -352,8 +366,11 @@ fn server_state(
     if let Some(l) = listen {
         cfg.listen = l;
     }
-    if let Some(n) = tensor_parallel {
+    if let Some(n) = par.0 {
         cfg.tensor_parallel = Some(n);
+    }
+    if let Some(n) = par.1 {
+        cfg.context_parallel = Some(n);
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -380,10 +397,10 @@ fn serve(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    tensor_parallel: Option<usize>,
+    par: (Option<usize>, Option<usize>),
 ) -> Result<()> {
     use kimi_host::server::{embedded, serve};
-    let (cfg, state) = server_state(config, model, listen, tensor_parallel)?;
+    let (cfg, state) = server_state(config, model, listen, par)?;
     let addr = cfg.listen_addr()?;
     let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
     runtime()?.block_on(async move {
@@ -400,7 +417,9 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve { config, model, listen, tensor_parallel } => serve(config, model, listen, tensor_parallel)?,
+        Command::Serve { config, model, listen, tensor_parallel, context_parallel } => {
+            serve(config, model, listen, (tensor_parallel, context_parallel))?
+        }
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
@@ -443,15 +462,16 @@ fn main() -> Result<()> {
                 print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
         }
-        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel } => {
-            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, tensor_parallel)?
+        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel, context_parallel } => {
+            let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
+            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, par)?
         }
-        Command::Generate { model, prompt_ids, max_tokens, ignore_eos, tensor_parallel } => {
+        Command::Generate { model, prompt_ids, max_tokens, ignore_eos, tensor_parallel, context_parallel } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let m = load(&model, tensor_parallel)?;
+            let m = load(&model, Parallelism { tensor: tensor_parallel, context: context_parallel })?;
             let eos = m.text_config().eos_token_id;
             let mut state = m.new_state();
             let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
@@ -490,7 +510,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None, None)?;
+            let (_, state) = server_state(config, model, None, (None, None))?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,
@@ -508,7 +528,16 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
             soak_cmd(duration, concurrency, seed, hostile, json)?
         }
-        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, tensor_parallel, json }) => {
+        Command::Bench(BenchCommand::Forward {
+            model,
+            prompt_len,
+            decode,
+            batch,
+            threads,
+            tensor_parallel,
+            context_parallel,
+            json,
+        }) => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
@@ -517,7 +546,8 @@ fn main() -> Result<()> {
             if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
-            let r = bench_forward(&model, prompt_len, decode, &batch, Parallelism { tensor: tensor_parallel })?;
+            let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
+            let r = bench_forward(&model, prompt_len, decode, &batch, par)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -529,19 +559,13 @@ fn main() -> Result<()> {
 }
 
 /// `logits`: prefill (and optional decode) logits of a prompt, written as safetensors.
-fn logits_cmd(
-    model: &Path,
-    prompt_ids: &str,
-    decode_ids: Option<&str>,
-    out: &Path,
-    tensor_parallel: usize,
-) -> Result<()> {
+fn logits_cmd(model: &Path, prompt_ids: &str, decode_ids: Option<&str>, out: &Path, par: Parallelism) -> Result<()> {
     let prompt = parse_ids(prompt_ids, "--prompt-ids")?;
     if prompt.is_empty() {
         bail!("--prompt-ids must hold at least one id");
     }
     let decode = decode_ids.map(|d| parse_ids(d, "--decode-ids")).transpose()?;
-    let m = load(model, tensor_parallel)?;
+    let m = load(model, par)?;
     let v = m.text_config().vocab_size;
     let mut state = m.new_state();
     let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;

@@ -254,7 +254,7 @@ pub struct Engine {
 impl Engine {
     /// Sizes the pool and starts the engine thread.
     pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Arc<Engine>, EngineStartError> {
-        let shape = StateShape::of(model.rank_config(), model.ranks().len());
+        let shape = StateShape::of(model.rank_config(), model.ranks().len(), model.cache_replicas());
         let pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
         let stats = Arc::new(EngineStats::default());
         stats.total_slots.store(pool.total_slots, Ordering::Relaxed);

@@ -20,14 +20,15 @@ pub struct StateShape {
 
 impl StateShape {
     /// The arenas' own sizes (`kda_slot_floats`, `latent_page_floats`), so the pool's accounting
-    /// and the memory set aside cannot drift apart: `c` is a rank's config (`Model::rank_config`)
-    /// and `ranks` the tensor-parallel ranks (each holds its heads' KDA state and a replica of
-    /// the latent cache).
-    pub fn of(c: &TextConfig, ranks: usize) -> StateShape {
+    /// and the memory set aside cannot drift apart: `c` is a rank's config (`Model::rank_config`),
+    /// `ranks` the tensor-parallel ranks (each holds its heads' KDA state) and `cache_replicas`
+    /// the copies of each latent page they hold between them (`Model::cache_replicas`: one per
+    /// rank, or one per group when context parallelism splits the pages).
+    pub fn of(c: &TextConfig, ranks: usize, cache_replicas: usize) -> StateShape {
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
         StateShape {
             slot_bytes: 4 * ranks * kda_slot_floats(c),
-            page_bytes: 4 * ranks * mla_layers * latent_page_floats(c),
+            page_bytes: 4 * cache_replicas * mla_layers * latent_page_floats(c),
         }
     }
 

@@ -15,7 +15,7 @@ use super::checkpoint::Checkpoint;
 use super::config::{MixerKind, ModelConfig, TextConfig, load_config};
 use super::error::ModelError;
 use super::kda::KdaLayer;
-use super::mla::MlaLayer;
+use super::mla::{ContextParallel, MlaLayer};
 use super::mlp::{Mlp, situ_params};
 use super::moe::MoeLayer;
 use super::norm::rms_norm;
@@ -97,6 +97,8 @@ pub struct Model {
     /// The config as each rank sees it (heads divided by the rank count).
     rank_config: TextConfig,
     ranks: Vec<Rank>,
+    /// Context-parallel ranks (1, or all of `ranks`).
+    context: usize,
     situ: SituParams,
     /// Where every op runs; model code reaches kernels only through it.
     backend: Arc<dyn Backend>,
@@ -112,11 +114,20 @@ pub struct Model {
 pub struct Parallelism {
     /// Tensor-parallel ranks (`--tensor-parallel`).
     pub tensor: usize,
+    /// Ranks of the tensor-parallel group that split each sequence's latent cache by pages
+    /// instead of each holding all of it (`--context-parallel`): 1, or the tensor-parallel size.
+    pub context: usize,
 }
 
 impl Default for Parallelism {
     fn default() -> Self {
-        Parallelism { tensor: 1 }
+        Parallelism { tensor: 1, context: 1 }
+    }
+}
+
+impl Parallelism {
+    pub fn tensor(n: usize) -> Parallelism {
+        Parallelism { tensor: n, context: 1 }
     }
 }
 
@@ -138,9 +149,17 @@ impl Model {
     /// Loads the model spread over `par.tensor` ranks: each rank maps only its shard.
     pub fn load_with(dir: &Path, par: Parallelism) -> Result<Model, ModelError> {
         let config = load_config(dir)?;
-        let ck = Checkpoint::open(dir)?;
         let n = par.tensor;
         let rank_config = rank_config(&config.text, n)?;
+        if par.context != 1 && par.context != n {
+            return Err(ModelError::Parallel {
+                msg: format!(
+                    "--context-parallel {} runs on the tensor-parallel ranks: it must be 1 or equal --tensor-parallel {n}",
+                    par.context
+                ),
+            });
+        }
+        let ck = Checkpoint::open(dir)?;
         let mut ranks = Vec::with_capacity(n);
         let comms = ThreadComm::group(n);
         for (r, comm) in comms.into_iter().enumerate() {
@@ -150,6 +169,7 @@ impl Model {
             ranks.push(rank);
         }
         let mut model = Model::assemble(config, rank_config, ranks)?;
+        model.context = par.context;
         model._checkpoint = Some(ck);
         Ok(model)
     }
@@ -177,8 +197,16 @@ impl Model {
         }
         let situ = situ_params(&config.text);
         let arenas = StateArenas::growable(&rank_config, n);
-        let mut model =
-            Model { config, rank_config, ranks, situ, backend: Arc::new(CpuBackend), arenas, _checkpoint: None };
+        let mut model = Model {
+            config,
+            rank_config,
+            ranks,
+            context: 1,
+            situ,
+            backend: Arc::new(CpuBackend),
+            arenas,
+            _checkpoint: None,
+        };
         model.prepare_weights();
         Ok(model)
     }
@@ -308,13 +336,19 @@ impl Model {
         // A growable arena adds a chunk instead of refusing, so this cannot fail.
         // A growable arena adds a chunk instead of refusing; only the machine running out of
         // memory stops it (as any allocation).
-        SequenceState::new_in(&self.rank_config, self.ranks.len(), &self.arenas).expect("memory for a sequence state")
+        SequenceState::new_in(&self.rank_config, self.ranks.len(), self.context, &self.arenas)
+            .expect("memory for a sequence state")
     }
 
     /// A fresh state whose KDA slot and latent pages come from `arenas` (the engine's, fixed at
     /// start-up).
     pub fn new_state_in(&self, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
-        SequenceState::new_in(&self.rank_config, self.ranks.len(), arenas)
+        SequenceState::new_in(&self.rank_config, self.ranks.len(), self.context, arenas)
+    }
+
+    /// Copies of each latent page the ranks hold between them: one per context-parallel group.
+    pub fn cache_replicas(&self) -> usize {
+        self.ranks.len() / self.context.max(1)
     }
 
     /// Fixed arenas for this model, allocated now: `slots` KDA slots and `pages` latent pages of
@@ -324,7 +358,7 @@ impl Model {
         let c = &self.rank_config;
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
         let n = self.ranks.len();
-        StateArenas::fixed(c, n, slots, pages.saturating_mul(mla_layers).saturating_mul(n))
+        StateArenas::fixed(c, n, slots, pages.saturating_mul(mla_layers).saturating_mul(self.cache_replicas()))
     }
 
     /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,
@@ -434,7 +468,7 @@ impl Model {
                 per_rank[r].push(st);
             }
         }
-        let step = Step { layout: &layout, ids: &ids, wanted: &wanted, all_tokens_trace };
+        let step = Step { layout: &layout, ids: &ids, wanted: &wanted, all_tokens_trace, traced: trace.is_some() };
         let mut per_rank = per_rank.into_iter();
         let first = per_rank.next().unwrap_or_default();
         let logits = if n == 1 {
@@ -556,7 +590,8 @@ impl Model {
                         .iter_mut()
                         .map(|s| s.mla_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
-                    let (u, sel) = m.forward(be, sc, &x, layout, &mut caches)?;
+                    let cp = (self.context > 1).then_some(ContextParallel { comm, want_scores: step.traced });
+                    let (u, sel) = m.forward(be, sc, &x, layout, &mut caches, cp.as_ref())?;
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);
                     }
@@ -672,6 +707,8 @@ struct Step<'a> {
     wanted: &'a [Range<usize>],
     /// One sequence wanting every row's logits (a trace records them).
     all_tokens_trace: bool,
+    /// A trace is recorded (context-parallel ranks then gather every indexer score).
+    traced: bool,
 }
 
 fn candidates<'a>(blocks: &'a [Buf<'_>], partial: Option<&'a Buf<'_>>) -> Vec<&'a [f32]> {

@@ -60,7 +60,9 @@ impl Indexer {
 
     /// Selections for every row of a step: row t is the query of sequence `rows[t].0` at absolute
     /// position `rows[t].1`; `keys[seq]` must cover every position of that sequence up to its
-    /// last query. `c_q` is MLA's `q_a_layernorm` output.
+    /// last query. `c_q` is MLA's `q_a_layernorm` output. Keeps the top `topk` of each row (the
+    /// layer's own, or one more for a context-parallel merge).
+    #[allow(clippy::too_many_arguments)]
     pub fn select(
         &self,
         be: &dyn Backend,
@@ -69,13 +71,14 @@ impl Indexer {
         c_q: &[f32],
         rows: &[(usize, usize)],
         keys: &[PagedRows<'_>],
+        topk: usize,
     ) -> Vec<Selection> {
         let (h, d) = (self.n_heads, self.head_dim);
         let tokens = rows.len();
         let q = self.wq_b.matmul(be, sc, c_q, tokens);
         let w = self.weights_proj.matmul(be, sc, x, tokens);
         let wscale = 1.0 / ((h as f32).sqrt() * (d as f32).sqrt());
-        be.indexer_topk(&q, &w, h, wscale, self.topk, rows, keys)
+        be.indexer_topk(&q, &w, h, wscale, topk, rows, keys)
     }
 
     pub fn topk(&self) -> usize {

@@ -3,7 +3,7 @@
 //! [c | k_pe] as one shared KV head, and the latent context is lifted with W_UV. Prefill and
 //! decode run the same code; only the number of new rows differs. No rotation anywhere.
 
-use kimi_kernels::{Backend, PagedRows, Selection};
+use kimi_kernels::{Backend, Communicator, PagedRows, Selection};
 
 use super::batch::BatchLayout;
 use super::config::TextConfig;
@@ -100,6 +100,10 @@ impl MlaLayer {
     /// `layout.spans[s]` and gains its rows. Projections run once over all T rows; each token
     /// attends over its own sequence's cache through its page table. Returns the layer output
     /// and, for K3.1, the indexer's selection per row; a full page arena is an error.
+    ///
+    /// With `cp` (context parallelism over the tensor-parallel group) each rank's caches hold
+    /// every n-th page: the indexer's candidates and the attention partials of every rank are
+    /// gathered and merged exactly (top-k of the union; log-sum-exp-weighted contexts).
     pub fn forward<'s>(
         &self,
         be: &dyn Backend,
@@ -107,6 +111,7 @@ impl MlaLayer {
         x: &[f32],
         layout: &BatchLayout,
         caches: &mut [&mut LatentCache],
+        cp: Option<&ContextParallel<'_>>,
     ) -> Result<(Buf<'s>, Option<Vec<Selection>>), ModelError> {
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let width = r + dr;
@@ -130,7 +135,15 @@ impl MlaLayer {
         let rows: Vec<PagedRows<'_>> = caches.iter().map(|c| c.rows_view()).collect();
         let selections = self.indexer.as_ref().map(|ix| {
             let keys: Vec<PagedRows<'_>> = caches.iter().map(|c| c.keys_view()).collect();
-            ix.select(be, sc, x, &c_q, &layout.tokens, &keys)
+            match cp {
+                None => ix.select(be, sc, x, &c_q, &layout.tokens, &keys, ix.topk()),
+                Some(cp) => {
+                    // Each rank's top k + 1 of the keys it holds: the union holds the global
+                    // top k + 1 (the margin needs the first one left out).
+                    let local = ix.select(be, sc, x, &c_q, &layout.tokens, &keys, ix.topk() + 1);
+                    cp.merge_selections(local, ix.topk(), &layout.tokens)
+                }
+            }
         });
 
         let w_kv = self.kv_b.m();
@@ -138,7 +151,12 @@ impl MlaLayer {
         be.mla_absorb(&w_kv, h, dn, dv, tokens, &q, &mut q_abs);
         let mut ctx = sc.zeroed(tokens * h * r);
         let scale = 1.0 / ((dn + dr) as f32).sqrt();
-        be.mla_attention(&q_abs, h, r, scale, &layout.tokens, &rows, selections.as_deref(), &mut ctx);
+        match cp {
+            None => be.mla_attention(&q_abs, h, r, scale, &layout.tokens, &rows, selections.as_deref(), &mut ctx, None),
+            Some(cp) => {
+                cp.attention(be, sc, &q_abs, h, r, scale, &layout.tokens, &rows, selections.as_deref(), &mut ctx)
+            }
+        }
         let mut o = sc.zeroed(tokens * h * dv);
         be.mla_lift(&w_kv, h, dn, dv, tokens, &ctx, &mut o);
         if let Some(g) = &self.g_proj {
@@ -146,5 +164,125 @@ impl MlaLayer {
             be.sigmoid_mul(&mut o, &gate);
         }
         Ok((self.o_proj.matmul(be, sc, &o, tokens), selections))
+    }
+}
+
+/// Context parallelism over a tensor-parallel group: every rank holds every n-th page of each
+/// sequence's latent cache (see [`LatentCache`]).
+pub struct ContextParallel<'c> {
+    pub comm: &'c dyn Communicator,
+    /// Gather every rank's indexer scores too (a trace records them); otherwise only the top
+    /// candidates travel.
+    pub want_scores: bool,
+}
+
+impl ContextParallel<'_> {
+    /// Top `topk` of the union of every rank's candidates (`local[t]`: its top k + 1 of the
+    /// positions it holds), ties to the lower position, as one rank would select over all keys.
+    fn merge_selections(&self, local: Vec<Selection>, topk: usize, rows: &[(usize, usize)]) -> Vec<Selection> {
+        let (tokens, k1, n) = (local.len(), topk + 1, self.comm.size());
+        // (position bits, score) pairs; a NaN score marks an empty slot.
+        let mut mine = vec![f32::NAN; tokens * k1 * 2];
+        for (t, sel) in local.iter().enumerate() {
+            for (j, &s) in sel.tokens.iter().take(k1).enumerate() {
+                mine[(t * k1 + j) * 2] = f32::from_bits(s as u32);
+                mine[(t * k1 + j) * 2 + 1] = sel.scores[s];
+            }
+        }
+        let mut all = vec![0f32; n * mine.len()];
+        self.comm.all_gather(&mine, &mut all);
+        let scores = self.want_scores.then(|| {
+            let mine: Vec<f32> = local.iter().flat_map(|s| s.scores.iter().copied()).collect();
+            let mut all = vec![0f32; n * mine.len()];
+            self.comm.all_gather(&mine, &mut all);
+            // Every position is held by exactly one rank: take its score.
+            let len = mine.len();
+            (0..len).map(|i| (0..n).map(|r| all[r * len + i]).find(|v| !v.is_nan()).unwrap_or(f32::NAN)).collect()
+        });
+        let mut out = Vec::with_capacity(tokens);
+        let mut at = 0;
+        for (t, &(_, pos)) in rows.iter().enumerate() {
+            let mut cands: Vec<(usize, f32)> = (0..n)
+                .flat_map(|r| {
+                    let base = r * mine.len() + t * k1 * 2;
+                    (0..k1).map(move |j| (base + 2 * j, base + 2 * j + 1))
+                })
+                .filter(|&(_, sc)| !all[sc].is_nan())
+                .map(|(p, sc)| (all[p].to_bits() as usize, all[sc]))
+                .collect();
+            cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let k = topk.min(pos + 1);
+            let margin = if k < pos + 1 && cands.len() > k { cands[k - 1].1 - cands[k].1 } else { f32::NAN };
+            let mut chosen: Vec<usize> = cands.iter().take(k).map(|c| c.0).collect();
+            chosen.sort_unstable();
+            let row_scores = match &scores {
+                Some(s) => {
+                    let v: &Vec<f32> = s;
+                    v[at..at + pos + 1].to_vec()
+                }
+                None => Vec::new(),
+            };
+            at += pos + 1;
+            out.push(Selection { tokens: chosen, scores: row_scores, margin });
+        }
+        out
+    }
+
+    /// Attention of this rank's `heads` query heads over every rank's cache pages: queries of
+    /// all heads are gathered, each rank attends with all of them over the pages it holds, and
+    /// each rank merges every rank's partials of its own heads.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        be: &dyn Backend,
+        sc: &Scratch,
+        q_abs: &[f32],
+        heads: usize,
+        rank: usize,
+        scale: f32,
+        rows: &[(usize, usize)],
+        caches: &[PagedRows<'_>],
+        selected: Option<&[Selection]>,
+        ctx: &mut [f32],
+    ) {
+        let (n, me, tokens) = (self.comm.size(), self.comm.rank(), rows.len());
+        let width = q_abs.len() / (tokens * heads).max(1);
+        let all_heads = n * heads;
+        let mut gathered = sc.for_overwrite(n * q_abs.len());
+        self.comm.all_gather(q_abs, &mut gathered);
+        let mut q_all = sc.for_overwrite(tokens * all_heads * width);
+        let block = heads * width;
+        for r in 0..n {
+            for t in 0..tokens {
+                let src = &gathered[r * q_abs.len() + t * block..r * q_abs.len() + (t + 1) * block];
+                q_all[(t * all_heads + r * heads) * width..(t * all_heads + (r + 1) * heads) * width]
+                    .copy_from_slice(src);
+            }
+        }
+        let mut part = sc.zeroed(tokens * all_heads * rank);
+        let mut lse = sc.for_overwrite(tokens * all_heads);
+        be.mla_attention(&q_all, all_heads, rank, scale, rows, caches, selected, &mut part, Some(&mut lse));
+        let mut parts_all = sc.for_overwrite(n * part.len());
+        self.comm.all_gather(&part, &mut parts_all);
+        let mut lse_all = sc.for_overwrite(n * lse.len());
+        self.comm.all_gather(&lse, &mut lse_all);
+        // Every rank's partials of this rank's heads, `[tokens, heads, rank]` each.
+        let mut mine: Vec<Buf<'_>> = Vec::with_capacity(n);
+        let mut mine_lse: Vec<Buf<'_>> = Vec::with_capacity(n);
+        for r in 0..n {
+            let mut p = sc.for_overwrite(tokens * heads * rank);
+            let mut l = sc.for_overwrite(tokens * heads);
+            for t in 0..tokens {
+                let src = r * part.len() + (t * all_heads + me * heads) * rank;
+                p[t * heads * rank..(t + 1) * heads * rank].copy_from_slice(&parts_all[src..src + heads * rank]);
+                let src = r * lse.len() + t * all_heads + me * heads;
+                l[t * heads..(t + 1) * heads].copy_from_slice(&lse_all[src..src + heads]);
+            }
+            mine.push(p);
+            mine_lse.push(l);
+        }
+        let parts: Vec<&[f32]> = mine.iter().map(|b| &b[..]).collect();
+        let lses: Vec<&[f32]> = mine_lse.iter().map(|b| &b[..]).collect();
+        be.attention_merge(&parts, &lses, rank, ctx);
     }
 }

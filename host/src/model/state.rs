@@ -80,24 +80,38 @@ pub fn latent_page_floats(c: &TextConfig) -> usize {
 /// a page table. A fork (a clone) shares every page by reference count; the first write to a
 /// shared page — only the partly filled last one is ever written again — copies it into a new
 /// page, so sequences that share a prompt never see each other's later tokens.
+///
+/// Under context parallelism each of the `cp` ranks of a group holds every `cp`-th page (page
+/// `p` on rank `p % cp`); the others are holes in its table, which the ops skip.
 #[derive(Clone, Debug)]
 pub struct LatentCache {
-    pages: Vec<Arc<Slot>>,
+    pages: Vec<Option<Arc<Slot>>>,
     arena: Arc<SlotArena>,
     len: usize,
     pub width: usize,
     pub index_dim: usize,
+    /// This cache's rank in its context-parallel group and the group's size.
+    cp_rank: usize,
+    cp: usize,
 }
 
 impl LatentCache {
-    /// An empty cache whose pages come from `arena` (pages of [`latent_page_floats`] values).
+    /// An empty cache whose pages come from `arena` (pages of [`latent_page_floats`] values),
+    /// holding every page.
     pub fn new(c: &TextConfig, arena: &Arc<SlotArena>) -> LatentCache {
+        LatentCache::context_parallel(c, arena, 0, 1)
+    }
+
+    /// An empty cache holding the pages of rank `rank` of a context-parallel group of `cp`.
+    pub fn context_parallel(c: &TextConfig, arena: &Arc<SlotArena>, rank: usize, cp: usize) -> LatentCache {
         LatentCache {
             pages: Vec::new(),
             arena: arena.clone(),
             len: 0,
             width: c.latent_width(),
             index_dim: c.indexer.as_ref().map_or(0, |i| i.head_dim),
+            cp_rank: rank,
+            cp: cp.max(1),
         }
     }
 
@@ -109,21 +123,43 @@ impl LatentCache {
         self.len == 0
     }
 
+    /// Whether this rank holds page `p`.
+    fn holds_page(&self, p: usize) -> bool {
+        p % self.cp == self.cp_rank
+    }
+
+    /// Whether this rank holds position `s`.
+    pub fn holds(&self, s: usize) -> bool {
+        self.holds_page(s / PAGE_TOKENS)
+    }
+
+    /// Extends the page table to cover page `p`: held pages from the arena, holes elsewhere.
+    fn cover(&mut self, p: usize) -> Result<(), ModelError> {
+        while self.pages.len() <= p {
+            let next = self.pages.len();
+            let page = if self.holds_page(next) { Some(Arc::new(self.arena.acquire()?)) } else { None };
+            self.pages.push(page);
+        }
+        Ok(())
+    }
+
     /// Appends one token: its normed latent `c`, its raw `k_pe` and its indexer key (empty
-    /// without an indexer). A full fixed arena is an error.
+    /// without an indexer); a rank that does not hold the token's page only counts it. A full
+    /// fixed arena is an error.
     pub fn push(&mut self, c: &[f32], k_pe: &[f32], key: &[f32]) -> Result<(), ModelError> {
         debug_assert_eq!(c.len() + k_pe.len(), self.width);
         debug_assert_eq!(key.len(), self.index_dim);
         let page = self.len / PAGE_TOKENS;
-        if page == self.pages.len() {
-            self.pages.push(Arc::new(self.arena.acquire()?));
-        }
-        let Some(last) = self.pages.get_mut(page) else { return Ok(()) };
-        if Arc::get_mut(last).is_none() {
+        self.cover(page)?;
+        let Some(Some(slot)) = self.pages.get_mut(page) else {
+            self.len += 1;
+            return Ok(());
+        };
+        if Arc::get_mut(slot).is_none() {
             // Shared with a fork: this sequence writes into its own copy from here on.
-            *last = Arc::new(last.try_clone()?);
+            *slot = Arc::new(slot.try_clone()?);
         }
-        let Some(page) = Arc::get_mut(last) else { return Ok(()) };
+        let Some(page) = Arc::get_mut(slot) else { return Ok(()) };
         let at = self.len % PAGE_TOKENS;
         let (w, kd) = (self.width, self.index_dim);
         let floats = page.floats_mut();
@@ -134,77 +170,83 @@ impl LatentCache {
         Ok(())
     }
 
+    fn page(&self, s: usize) -> &[f32] {
+        match self.pages.get(s / PAGE_TOKENS) {
+            Some(Some(p)) => p.floats(),
+            _ => &[],
+        }
+    }
+
+    /// Row `s` (empty when another context-parallel rank holds it).
     pub fn row(&self, s: usize) -> &[f32] {
         let at = (s % PAGE_TOKENS) * self.width;
-        &self.pages[s / PAGE_TOKENS].floats()[at..at + self.width]
+        self.page(s).get(at..at + self.width).unwrap_or(&[])
     }
 
+    /// Indexer key `s` (empty when another context-parallel rank holds it).
     pub fn index_key(&self, s: usize) -> &[f32] {
         let at = PAGE_TOKENS * self.width + (s % PAGE_TOKENS) * self.index_dim;
-        &self.pages[s / PAGE_TOKENS].floats()[at..at + self.index_dim]
+        self.page(s).get(at..at + self.index_dim).unwrap_or(&[])
     }
 
-    /// The latent rows through the page table, for the backend's attention.
+    /// The latent rows through the page table (holes empty), for the backend's attention.
     pub fn rows_view(&self) -> PagedRows<'_> {
         let rows = PAGE_TOKENS * self.width;
         PagedRows {
-            pages: self.pages.iter().map(|p| &p.floats()[..rows]).collect(),
+            pages: self.pages.iter().map(|p| p.as_ref().map_or(&[][..], |p| &p.floats()[..rows])).collect(),
             page_tokens: PAGE_TOKENS,
             width: self.width,
         }
     }
 
-    /// The indexer keys through the page table, for the backend's indexer.
+    /// The indexer keys through the page table (holes empty), for the backend's indexer.
     pub fn keys_view(&self) -> PagedRows<'_> {
         let rows = PAGE_TOKENS * self.width;
         PagedRows {
-            pages: self.pages.iter().map(|p| &p.floats()[rows..]).collect(),
+            pages: self.pages.iter().map(|p| p.as_ref().map_or(&[][..], |p| &p.floats()[rows..])).collect(),
             page_tokens: PAGE_TOKENS,
             width: self.index_dim,
         }
     }
 
-    /// Every row, `[len, width]` (tests and tools).
+    /// Every held row, `[held, width]` (tests and tools).
     pub fn rows(&self) -> Vec<f32> {
-        (0..self.len).flat_map(|s| self.row(s).iter().copied()).collect()
+        (0..self.len).filter(|&s| self.holds(s)).flat_map(|s| self.row(s).iter().copied()).collect()
     }
 
-    /// Every indexer key, `[len, index_dim]` (tests and tools).
+    /// Every held indexer key, `[held, index_dim]` (tests and tools).
     pub fn index_keys(&self) -> Vec<f32> {
-        (0..self.len).flat_map(|s| self.index_key(s).iter().copied()).collect()
+        (0..self.len).filter(|&s| self.holds(s)).flat_map(|s| self.index_key(s).iter().copied()).collect()
     }
 
     /// Pages this cache holds.
     pub fn pages(&self) -> usize {
-        self.pages.len()
-    }
-
-    /// Pages holding rows (a step's prepared pages beyond them do not count until written).
-    pub fn used_pages(&self) -> usize {
-        self.len.div_ceil(PAGE_TOKENS)
+        self.pages.iter().flatten().count()
     }
 
     /// Pages held by reference together with `other` (the same memory, not equal copies).
     pub fn shared_pages(&self, other: &LatentCache) -> usize {
-        self.pages.iter().zip(&other.pages).filter(|(a, b)| Arc::ptr_eq(a, b)).count()
+        self.pages
+            .iter()
+            .zip(&other.pages)
+            .filter(|(a, b)| matches!((a, b), (Some(a), Some(b)) if Arc::ptr_eq(a, b)))
+            .count()
     }
 
-    /// Holds every page rows `..upto` need, each page its own (not shared with a fork) from the
-    /// current last one on, so pushing those rows cannot fail.
+    /// Holds every page rows `..upto` need, each held page its own (not shared with a fork)
+    /// from the current last one on, so pushing those rows cannot fail.
     fn prepare(&mut self, upto: usize) -> Result<(), ModelError> {
         if upto <= self.len {
             return Ok(());
         }
+        let current = self.len / PAGE_TOKENS;
         if !self.len.is_multiple_of(PAGE_TOKENS)
-            && let Some(last) = self.pages.last_mut()
-            && Arc::get_mut(last).is_none()
+            && let Some(Some(slot)) = self.pages.get_mut(current)
+            && Arc::get_mut(slot).is_none()
         {
-            *last = Arc::new(last.try_clone()?);
+            *slot = Arc::new(slot.try_clone()?);
         }
-        while self.pages.len() < upto.div_ceil(PAGE_TOKENS) {
-            self.pages.push(Arc::new(self.arena.acquire()?));
-        }
-        Ok(())
+        self.cover((upto - 1) / PAGE_TOKENS)
     }
 
     fn reserve_pages(&mut self, tokens: usize) {
@@ -290,10 +332,11 @@ impl RankStateMut<'_> {
 }
 
 impl SequenceState {
-    /// A fresh state for `ranks` tensor-parallel ranks of rank-local config `c`, whose KDA slot
+    /// A fresh state for `ranks` tensor-parallel ranks of rank-local config `c` (the latent
+    /// caches of each group of `cp` consecutive ranks splitting the pages), whose KDA slot
     /// comes from `arenas.slots` and whose latent pages will come from `arenas.pages`; a full
     /// fixed arena is an error.
-    pub fn new_in(c: &TextConfig, ranks: usize, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
+    pub fn new_in(c: &TextConfig, ranks: usize, cp: usize, arenas: &StateArenas) -> Result<SequenceState, ModelError> {
         let per_rank = kda_slot_floats(c);
         if arenas.slots.slot_floats() != ranks * per_rank || arenas.pages.slot_floats() != latent_page_floats(c) {
             return Err(ModelError::StateMismatch { layer: 0 });
@@ -301,7 +344,7 @@ impl SequenceState {
         let arena = &arenas.slots;
         let slot = if per_rank > 0 { Some(arena.acquire()?) } else { None };
         let (h, k) = (c.kda.num_heads, c.kda.head_dim);
-        let rank_layers = || {
+        let rank_layers = |rank: usize| {
             let mut offset = 0;
             c.layer_kinds
                 .iter()
@@ -316,11 +359,13 @@ impl SequenceState {
                         offset += l.floats();
                         LayerState::Kda(l)
                     }
-                    MixerKind::Mla => LayerState::Mla(LatentCache::new(c, &arenas.pages)),
+                    MixerKind::Mla => {
+                        LayerState::Mla(LatentCache::context_parallel(c, &arenas.pages, rank % cp.max(1), cp))
+                    }
                 })
                 .collect::<Vec<_>>()
         };
-        Ok(SequenceState { slot, ranks: (0..ranks.max(1)).map(|_| rank_layers()).collect(), len: 0 })
+        Ok(SequenceState { slot, ranks: (0..ranks.max(1)).map(rank_layers).collect(), len: 0 })
     }
 
     /// A state with no layers and no slot: a place to hold until a fork fills it.
@@ -412,7 +457,7 @@ mod tests {
     use super::*;
 
     fn cache(arena: &Arc<SlotArena>) -> LatentCache {
-        LatentCache { pages: Vec::new(), arena: arena.clone(), len: 0, width: 3, index_dim: 1 }
+        LatentCache { pages: Vec::new(), arena: arena.clone(), len: 0, width: 3, index_dim: 1, cp_rank: 0, cp: 1 }
     }
 
     fn push(c: &mut LatentCache, t: usize) {

@@ -38,6 +38,9 @@ pub struct ServeConfig {
     pub threads: Option<usize>,
     /// Tensor-parallel ranks the model is spread over (default 1).
     pub tensor_parallel: Option<usize>,
+    /// Ranks of the tensor-parallel group that split each sequence's latent cache by pages
+    /// (1, or `tensor_parallel`; default 1).
+    pub context_parallel: Option<usize>,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -300,6 +303,7 @@ impl ServeConfig {
             model_name: None,
             threads: None,
             tensor_parallel: None,
+            context_parallel: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),

@@ -79,8 +79,11 @@ impl AppState {
     pub fn build(cfg: &ServeConfig, model_dir: &std::path::Path) -> Result<AppState, ServeError> {
         cfg.validate()?;
         let model = Arc::new(
-            Model::load_with(model_dir, Parallelism { tensor: cfg.tensor_parallel.unwrap_or(1) })
-                .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
+            Model::load_with(
+                model_dir,
+                Parallelism { tensor: cfg.tensor_parallel.unwrap_or(1), context: cfg.context_parallel.unwrap_or(1) },
+            )
+            .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
         );
         let tok_dir = cfg.tokenizer.clone().unwrap_or_else(|| model_dir.to_path_buf());
         let tok = Arc::new(

@@ -109,8 +109,13 @@ impl Backend for CpuBackend {
         caches: &[PagedRows<'_>],
         selected: Option<&[Selection]>,
         ctx: &mut [f32],
+        lse: Option<&mut [f32]>,
     ) {
-        super::mla_attention::mla_attention(q, heads, rank, scale, rows, caches, selected, ctx)
+        super::mla_attention::mla_attention(q, heads, rank, scale, rows, caches, selected, ctx, lse)
+    }
+
+    fn attention_merge(&self, parts: &[&[f32]], lses: &[&[f32]], width: usize, out: &mut [f32]) {
+        super::attention_merge::attention_merge(parts, lses, width, out)
     }
 
     fn indexer_topk(

@@ -22,14 +22,18 @@ pub fn indexer_topk(
         .map(|t| {
             let (seq, pos) = rows[t];
             let qt = &q[t * heads * d..(t + 1) * heads * d];
+            // Positions another context-parallel rank holds score NaN and are never candidates.
             let scores: Vec<f32> = (0..=pos)
                 .map(|s| {
+                    if !keys[seq].holds(s) {
+                        return f32::NAN;
+                    }
                     let ks = keys[seq].row(s);
                     (0..heads).map(|j| w[t * heads + j] * scale * dot(&qt[j * d..(j + 1) * d], ks).max(0.0)).sum()
                 })
                 .collect();
-            let k = topk.min(pos + 1);
-            let mut order: Vec<usize> = (0..=pos).collect();
+            let mut order: Vec<usize> = (0..=pos).filter(|&s| keys[seq].holds(s)).collect();
+            let k = topk.min(order.len());
             let mut margin = f32::NAN;
             if k < order.len() {
                 order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));

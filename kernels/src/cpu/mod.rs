@@ -4,6 +4,7 @@
 //! MLA's latent maps and attention (`mla_latent`, `mla_attention`), the K3.1 `indexer`, the MoE
 //! router and grouped experts (`moe`) — on SIMD inner loops (`simd`) and reductions (`reduce`).
 
+pub mod attention_merge;
 pub mod attn_res;
 pub mod backend;
 pub mod bf16;

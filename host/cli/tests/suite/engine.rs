@@ -211,7 +211,7 @@ fn forks_share_the_prompt_pages() {
 #[test]
 fn a_full_pool_refuses_after_the_queue_timeout() {
     let f = fixture();
-    let shape = StateShape::of(f.model.rank_config(), f.model.ranks().len());
+    let shape = StateShape::of(f.model.rank_config(), f.model.ranks().len(), f.model.cache_replicas());
     // Room for exactly two sequences of 64 + 2000 tokens (the holders never get that far: they are
     // dropped once the late request has been refused).
     let per_seq = shape.slot_bytes + StateShape::pages_for(2064) * shape.page_bytes;

@@ -60,7 +60,7 @@ fn selections(tr: &Trace, layers: usize) -> Vec<Vec<i64>> {
 /// loader's accounting of every rank's shard.
 fn check_against_one_rank(dir: &Path, n: usize, prompt: &[u32]) -> (f32, f32) {
     let one = Model::load(dir).expect("model loads");
-    let many = Model::load_with(dir, Parallelism { tensor: n }).expect("model loads on ranks");
+    let many = Model::load_with(dir, Parallelism::tensor(n)).expect("model loads on ranks");
     assert_eq!(many.ranks().len(), n);
     let layers = one.text_config().num_layers;
     let (p1, d1, t1, g1) = run(&one, prompt, 6);
@@ -157,7 +157,7 @@ fn tensor_parallel_2_and_4_equal_one_rank_on_the_goldens() {
             eprintln!("{name} TP {n}: max |Δ logits| prefill {dp:.2e}, decode {dd:.2e}");
         }
         // The goldens themselves, through TP 2.
-        let many = Model::load_with(&g.dir, Parallelism { tensor: 2 }).expect("loads");
+        let many = Model::load_with(&g.dir, Parallelism::tensor(2)).expect("loads");
         let mut st = many.new_state();
         let steps = g.ids("decode.input_ids");
         many.forward(&prompt, &mut st, LogitsFor::AllTokens, None).expect("prefill");
@@ -188,9 +188,68 @@ fn tensor_parallel_3_splits_uneven_dimensions() {
     let (dp, dd) = check_against_one_rank(dir.path(), 3, &prompt);
     eprintln!("uneven TP 3: max |Δ logits| prefill {dp:.2e}, decode {dd:.2e}");
 
-    match Model::load_with(dir.path(), Parallelism { tensor: 2 }) {
+    match Model::load_with(dir.path(), Parallelism::tensor(2)) {
         Err(ModelError::Parallel { msg }) => assert!(msg.contains("heads"), "{msg}"),
         Err(e) => panic!("TP 2 of 3 heads: wrong error {e}"),
         Ok(_) => panic!("TP 2 of 3 heads must be refused"),
+    }
+}
+
+/// Context parallelism over the tensor-parallel ranks against the same ranks without it: every
+/// rank holds every n-th latent page; the indexer's selections must be identical and the logits
+/// within 1e-4 (only the attention's softmax is regrouped, by rank).
+fn check_context_parallel(dir: &Path, n: usize, prompt: &[u32]) -> f32 {
+    let plain = Model::load_with(dir, Parallelism::tensor(n)).expect("TP");
+    let cp = Model::load_with(dir, Parallelism { tensor: n, context: n }).expect("TP with CP");
+    let layers = plain.text_config().num_layers;
+    let topk = plain.text_config().indexer.as_ref().map_or(0, |ix| ix.topk);
+    assert!(prompt.len() > topk, "the sequence must outgrow the indexer's top-k ({topk})");
+    let (p1, d1, t1, g1) = run(&plain, prompt, 6);
+    let (p2, d2, t2, g2) = run(&cp, prompt, 6);
+    assert_eq!(g1, g2, "CP {n}: greedy tokens");
+    let mut pruned = 0;
+    for (a, b) in t1.iter().zip(&t2) {
+        let (sa, sb) = (selections(a, layers), selections(b, layers));
+        assert_eq!(sa, sb, "CP {n}: indexer selections");
+        pruned += sa.iter().filter(|s| s.len() == topk).count();
+    }
+    assert!(pruned > 0, "the indexer pruned positions");
+    // Pages really are split: rank 0 holds about 1/n of them.
+    let mut st = cp.new_state();
+    cp.forward(prompt, &mut st, LogitsFor::LastToken, None).expect("prefill");
+    let mla = (0..layers).find(|&i| st.mla(i).is_some()).expect("an MLA layer");
+    let held = st.mla(mla).expect("cache").pages();
+    assert_eq!(held, prompt.len().div_ceil(16).div_ceil(n), "rank 0 holds every {n}-th page");
+    let d = max_abs_diff(&p1, &p2).max(max_abs_diff(&d1, &d2));
+    assert!(d <= 1e-4, "CP {n}: logits differ by {d}");
+    d
+}
+
+#[test]
+fn context_parallel_2_and_3_equal_one_cache_per_rank() {
+    let g = Golden::open("k31-tiny-indexer");
+    let mut prompt = golden_prompt(&g);
+    while prompt.len() < 100 {
+        prompt.extend_from_within(..prompt.len().min(100 - prompt.len()));
+    }
+    let d = check_context_parallel(&g.dir, 2, &prompt);
+    eprintln!("k31-tiny-indexer CP 2: max |Δ logits| {d:.2e}");
+
+    let mut cfg = tiny_config(&TinyOptions { seed: 9, k31: true, mxfp4: false });
+    let t = &mut cfg["text_config"];
+    t["linear_attn_config"]["num_heads"] = 3.into();
+    t["num_attention_heads"] = 3.into();
+    t["num_key_value_heads"] = 3.into();
+    t["index_topk"] = 8.into();
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_random_checkpoint(dir.path(), &cfg, 9, false).expect("random model");
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 53 % 250) as u32 + 3).collect();
+    let d = check_context_parallel(dir.path(), 3, &prompt);
+    eprintln!("3-head model CP 3: max |Δ logits| {d:.2e}");
+
+    match Model::load_with(dir.path(), Parallelism { tensor: 3, context: 2 }) {
+        Err(ModelError::Parallel { msg }) => assert!(msg.contains("context-parallel"), "{msg}"),
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("CP 2 of TP 3 is refused"),
     }
 }

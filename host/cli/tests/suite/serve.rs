@@ -143,7 +143,7 @@ fn openai_client_against_kimi_host_serve() {
     .expect("config");
     // The small server's pool holds two sequences of (prompt + 600) tokens, no more.
     let c = kimi_host::model::Model::load(&model).expect("model");
-    let shape = StateShape::of(c.rank_config(), c.ranks().len());
+    let shape = StateShape::of(c.rank_config(), c.ranks().len(), c.cache_replicas());
     let per_seq = shape.slot_bytes + StateShape::pages_for(1200) * shape.page_bytes;
     let small_cfg = dir.path().join("small.toml");
     std::fs::write(
