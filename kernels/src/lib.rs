@@ -20,6 +20,7 @@ pub use cpu::bf16::f32_to_bf16_bits;
 pub use cpu::mxfp4::quantize_row as mxfp4_quantize_row;
 
 pub use cpu::bf16::Bf16Matrix;
+pub use cpu::fp8::{Fp8Matrix, f32_to_e4m3, quantize_rows as fp8_quantize_rows};
 pub use cpu::mxfp4::Mxfp4Matrix;
 pub use cpu::packed::PackedMatrix;
 pub use cpu::simd::{SimdLevel, simd_level};
@@ -30,6 +31,8 @@ pub enum Matrix<'a> {
     Bf16(Bf16Matrix<'a>),
     F32(F32Matrix<'a>),
     Mxfp4(Mxfp4Matrix<'a>),
+    /// E4M3 with a scale per row (a dense weight requantised at load, `--fp8-dense`).
+    Fp8(Fp8Matrix<'a>),
     /// A BF16 or MXFP4 weight repacked at load for the CPU products ([`PackedMatrix`]).
     Packed(&'a PackedMatrix),
 }
@@ -48,6 +51,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.rows,
             Matrix::F32(m) => m.rows,
             Matrix::Mxfp4(m) => m.rows,
+            Matrix::Fp8(m) => m.rows,
             Matrix::Packed(m) => m.rows,
         }
     }
@@ -57,6 +61,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.cols,
             Matrix::F32(m) => m.cols,
             Matrix::Mxfp4(m) => m.cols,
+            Matrix::Fp8(m) => m.cols,
             Matrix::Packed(m) => m.cols,
         }
     }
@@ -76,6 +81,7 @@ impl<'a> Matrix<'a> {
                 cols: m.cols,
             }),
             Matrix::Mxfp4(m) => Matrix::Mxfp4(m.row_range(start, len)),
+            Matrix::Fp8(m) => Matrix::Fp8(m.row_range(start, len)),
             // Packing is for products only; weights read by row ranges (MLA's kv_b) stay stored.
             Matrix::Packed(_) => panic!("row_range of a packed matrix: keep this weight in its stored format"),
         }
@@ -87,6 +93,7 @@ impl<'a> Matrix<'a> {
             Matrix::Bf16(m) => m.row_to_f32(r, out),
             Matrix::F32(m) => out.copy_from_slice(&m.data[r * m.cols..(r + 1) * m.cols]),
             Matrix::Mxfp4(m) => m.row_to_f32(r, out),
+            Matrix::Fp8(m) => m.row_to_f32(r, out),
             Matrix::Packed(m) => m.row_to_f32(r, out),
         }
     }

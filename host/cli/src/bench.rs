@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use kimi_host::model::checkpoint::Checkpoint;
 use kimi_host::model::profile::OpTimes;
-use kimi_host::model::{LogitsFor, Model, ModelError, Parallelism, SeqInput, SequenceState};
+use kimi_host::model::{LogitsFor, Model, ModelError, Parallelism, SeqInput, SequenceState, WeightFormat};
 
 #[derive(Debug, Serialize)]
 pub struct ForwardBench {
@@ -218,8 +218,9 @@ pub fn bench_forward(
     decode: usize,
     batches: &[usize],
     par: Parallelism,
+    fmt: WeightFormat,
 ) -> Result<ForwardBench, ModelError> {
-    let model = Model::load_with(dir, par)?;
+    let model = Model::load_as(dir, par, fmt)?;
     let c = model.text_config();
     let prompt = prompt(c.vocab_size, prompt_len, 0);
     let mut state = model.new_state();

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use safetensors::{Dtype, tensor::TensorView};
 
 use kimi_host::model::tiny::{TinyOptions, make_tiny};
-use kimi_host::model::{LogitsFor, Model, Parallelism};
+use kimi_host::model::{LogitsFor, Model, Parallelism, WeightFormat};
 use kimi_host::server::tenants::PluginRef;
 use kimi_host::tokenizer::Tokenizer;
 use kimi_host_cli::bench::{argmax, bench_forward};
@@ -114,6 +114,9 @@ enum Command {
         /// latent cache by pages and merge their attention exactly.
         #[arg(long, default_value_t = 1)]
         context_parallel: usize,
+        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
+        #[arg(long)]
+        fp8_dense: bool,
     },
     /// Greedy generation; prints one id per line.
     Generate {
@@ -135,6 +138,9 @@ enum Command {
         /// latent cache by pages and merge their attention exactly.
         #[arg(long, default_value_t = 1)]
         context_parallel: usize,
+        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
+        #[arg(long)]
+        fp8_dense: bool,
     },
     /// Write a small random checkpoint in the real Kimi-K3 layout.
     MakeTiny {
@@ -200,6 +206,9 @@ enum Command {
         /// Context-parallel ranks (overrides the file's `context_parallel`).
         #[arg(long)]
         context_parallel: Option<usize>,
+        /// Requantise attention, dense-MLP and shared-expert linears to FP8 (sets `fp8_dense`).
+        #[arg(long)]
+        fp8_dense: bool,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -304,6 +313,9 @@ enum BenchCommand {
         /// latent cache by pages and merge their attention exactly.
         #[arg(long, default_value_t = 1)]
         context_parallel: usize,
+        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
+        #[arg(long)]
+        fp8_dense: bool,
         #[arg(long)]
         json: bool,
     },
@@ -344,8 +356,9 @@ fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     raw.iter().map(|&x| u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))).collect()
 }
 
-fn load(dir: &Path, par: Parallelism) -> Result<Model> {
-    Model::load_with(dir, par).with_context(|| format!("loading model from {}", dir.display()))
+fn load(dir: &Path, par: Parallelism, fp8_dense: bool) -> Result<Model> {
+    Model::load_as(dir, par, WeightFormat { fp8_dense })
+        .with_context(|| format!("loading model from {}", dir.display()))
 }
 
 /// The server configuration (file or embedded default, flags on top) and its loaded state.
@@ -353,7 +366,7 @@ fn server_state(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    par: (Option<usize>, Option<usize>),
+    par: (Option<usize>, Option<usize>, bool),
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -371,6 +384,9 @@ fn server_state(
     }
     if let Some(n) = par.1 {
         cfg.context_parallel = Some(n);
+    }
+    if par.2 {
+        cfg.fp8_dense = true;
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -397,7 +413,7 @@ fn serve(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    par: (Option<usize>, Option<usize>),
+    par: (Option<usize>, Option<usize>, bool),
 ) -> Result<()> {
     use kimi_host::server::{embedded, serve};
     let (cfg, state) = server_state(config, model, listen, par)?;
@@ -417,8 +433,8 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve { config, model, listen, tensor_parallel, context_parallel } => {
-            serve(config, model, listen, (tensor_parallel, context_parallel))?
+        Command::Serve { config, model, listen, tensor_parallel, context_parallel, fp8_dense } => {
+            serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense))?
         }
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
@@ -462,16 +478,24 @@ fn main() -> Result<()> {
                 print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
         }
-        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel, context_parallel } => {
+        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel, context_parallel, fp8_dense } => {
             let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
-            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, par)?
+            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, par, fp8_dense)?
         }
-        Command::Generate { model, prompt_ids, max_tokens, ignore_eos, tensor_parallel, context_parallel } => {
+        Command::Generate {
+            model,
+            prompt_ids,
+            max_tokens,
+            ignore_eos,
+            tensor_parallel,
+            context_parallel,
+            fp8_dense,
+        } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let m = load(&model, Parallelism { tensor: tensor_parallel, context: context_parallel })?;
+            let m = load(&model, Parallelism { tensor: tensor_parallel, context: context_parallel }, fp8_dense)?;
             let eos = m.text_config().eos_token_id;
             let mut state = m.new_state();
             let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
@@ -510,7 +534,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None, (None, None))?;
+            let (_, state) = server_state(config, model, None, (None, None, false))?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,
@@ -536,6 +560,7 @@ fn main() -> Result<()> {
             threads,
             tensor_parallel,
             context_parallel,
+            fp8_dense,
             json,
         }) => {
             if let Some(n) = threads {
@@ -547,7 +572,7 @@ fn main() -> Result<()> {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
             let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
-            let r = bench_forward(&model, prompt_len, decode, &batch, par)?;
+            let r = bench_forward(&model, prompt_len, decode, &batch, par, WeightFormat { fp8_dense })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -559,13 +584,20 @@ fn main() -> Result<()> {
 }
 
 /// `logits`: prefill (and optional decode) logits of a prompt, written as safetensors.
-fn logits_cmd(model: &Path, prompt_ids: &str, decode_ids: Option<&str>, out: &Path, par: Parallelism) -> Result<()> {
+fn logits_cmd(
+    model: &Path,
+    prompt_ids: &str,
+    decode_ids: Option<&str>,
+    out: &Path,
+    par: Parallelism,
+    fp8_dense: bool,
+) -> Result<()> {
     let prompt = parse_ids(prompt_ids, "--prompt-ids")?;
     if prompt.is_empty() {
         bail!("--prompt-ids must hold at least one id");
     }
     let decode = decode_ids.map(|d| parse_ids(d, "--decode-ids")).transpose()?;
-    let m = load(model, par)?;
+    let m = load(model, par, fp8_dense)?;
     let v = m.text_config().vocab_size;
     let mut state = m.new_state();
     let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;

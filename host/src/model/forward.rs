@@ -109,6 +109,15 @@ pub struct Model {
     _checkpoint: Option<Checkpoint>,
 }
 
+/// How weights are held.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightFormat {
+    /// Attention, dense-MLP and shared-expert linears requantised at load to FP8 E4M3 with a
+    /// scale per output row, their products quantising activations per token (ATOM's
+    /// `ptpc_fp8`); routed experts stay MXFP4 (`--fp8-dense`).
+    pub fp8_dense: bool,
+}
+
 /// How a model is spread over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Parallelism {
@@ -148,6 +157,11 @@ impl Model {
 
     /// Loads the model spread over `par.tensor` ranks: each rank maps only its shard.
     pub fn load_with(dir: &Path, par: Parallelism) -> Result<Model, ModelError> {
+        Model::load_as(dir, par, WeightFormat::default())
+    }
+
+    /// [`Model::load_with`], requantising weights as `fmt` says.
+    pub fn load_as(dir: &Path, par: Parallelism, fmt: WeightFormat) -> Result<Model, ModelError> {
         let config = load_config(dir)?;
         let n = par.tensor;
         let rank_config = rank_config(&config.text, n)?;
@@ -164,6 +178,7 @@ impl Model {
         let comms = ThreadComm::group(n);
         for (r, comm) in comms.into_iter().enumerate() {
             let mut src = CheckpointSource::new(&ck);
+            src.fp8_dense = fmt.fp8_dense;
             let mut rank = Model::build_rank(&config.text, &mut src, Shard { rank: r, size: n }, comm)?;
             rank.loaded = src.loaded;
             ranks.push(rank);

@@ -25,7 +25,7 @@ pub mod weights;
 pub use batch::{BatchLayout, SeqInput, Span};
 pub use config::{ModelConfig, TextConfig};
 pub use error::ModelError;
-pub use forward::{LogitsFor, Model, Parallelism};
+pub use forward::{LogitsFor, Model, Parallelism, WeightFormat};
 pub use scratch::{Buf, Scratch};
 pub use slots::SlotArena;
 pub use state::{SequenceState, StateArenas};

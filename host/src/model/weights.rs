@@ -7,10 +7,11 @@
 
 use std::ops::Range;
 
-use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix, PackedMatrix};
+use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Fp8Matrix, Matrix, Mxfp4Matrix, PackedMatrix, f32_to_e4m3};
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
 use super::error::ModelError;
+use super::plan::fp8_dense_target;
 use super::scratch::{Buf, Scratch};
 
 /// A weight matrix `[rows, cols]` in its stored format.
@@ -28,6 +29,11 @@ enum WeightStore {
     Mxfp4 {
         packed: TensorBytes,
         scales: TensorBytes,
+    },
+    /// Requantised at load (`--fp8-dense`): E4M3 codes and one f32 scale per row.
+    Fp8 {
+        codes: Vec<u8>,
+        scales: Vec<f32>,
     },
     /// Recorded by [`NameRecorder`]; never used for compute.
     Absent,
@@ -50,6 +56,7 @@ impl Weight {
             WeightStore::Mxfp4 { packed, scales } => {
                 Matrix::Mxfp4(Mxfp4Matrix::new(packed.bytes(), scales.bytes(), self.rows, self.cols))
             }
+            WeightStore::Fp8 { codes, scales } => Matrix::Fp8(Fp8Matrix::new(codes, scales, self.rows, self.cols)),
             WeightStore::Absent => panic!("weight placeholder from NameRecorder used for compute"),
         }
     }
@@ -77,7 +84,7 @@ impl Weight {
                     packed.release_pages();
                     scales.release_pages();
                 }
-                WeightStore::Absent => {}
+                WeightStore::Fp8 { .. } | WeightStore::Absent => {}
             }
         }
     }
@@ -87,6 +94,7 @@ impl Weight {
         match &self.store {
             WeightStore::Bf16(b) | WeightStore::F32(b) => b.bytes().len(),
             WeightStore::Mxfp4 { packed, scales } => packed.bytes().len() + scales.bytes().len(),
+            WeightStore::Fp8 { codes, scales } => codes.len() + 4 * scales.len(),
             WeightStore::Absent => 0,
         }
     }
@@ -145,6 +153,8 @@ pub struct LoadedTensor {
     pub split: bool,
     /// A matrix (kept in its stored format) rather than a small vector (widened to f32).
     pub matrix: bool,
+    /// Rows of the kept part of a matrix (0 for a vector).
+    pub kept_rows: usize,
 }
 
 /// What a module needs from a checkpoint.
@@ -182,15 +192,47 @@ const FLOATS: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
 pub struct CheckpointSource<'a> {
     pub ck: &'a Checkpoint,
     pub loaded: Vec<LoadedTensor>,
+    /// Requantise the `--fp8-dense` linears ([`fp8_dense_target`]) to E4M3 at load.
+    pub fp8_dense: bool,
 }
 
 impl<'a> CheckpointSource<'a> {
     pub fn new(ck: &'a Checkpoint) -> Self {
-        CheckpointSource { ck, loaded: Vec::new() }
+        CheckpointSource { ck, loaded: Vec::new(), fp8_dense: false }
     }
 
-    fn record(&mut self, name: &str, stored: usize, kept: usize, split: bool, matrix: bool) {
-        let t = LoadedTensor { name: name.to_string(), stored_bytes: stored, kept_bytes: kept, split, matrix };
+    /// `part` of the stored matrix `w` requantised to E4M3, each row's scale taken over the
+    /// whole stored row (so a column shard gets the scale the unsharded weight has, as ATOM
+    /// computes it before sharding).
+    fn requantise(w: &Matrix<'_>, part: &Part) -> (Vec<u8>, Vec<f32>) {
+        let (rows, cols) = (w.rows(), w.cols());
+        let (rr, cc) = match part {
+            Part::Whole => (0..rows, 0..cols),
+            Part::Rows(r) => (r.clone(), 0..cols),
+            Part::Cols(c) => (0..rows, c.clone()),
+        };
+        let mut codes = Vec::with_capacity(rr.len() * cc.len());
+        let mut scales = Vec::with_capacity(rr.len());
+        let mut row = vec![0f32; cols];
+        for r in rr {
+            w.row_to_f32(r, &mut row);
+            let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = if m > 0.0 && m.is_finite() { m / 448.0 } else { 1.0 };
+            codes.extend(row[cc.clone()].iter().map(|v| f32_to_e4m3(v / s)));
+            scales.push(s);
+        }
+        (codes, scales)
+    }
+
+    fn record(&mut self, name: &str, stored: usize, kept: usize, split: bool, rows: Option<usize>) {
+        let t = LoadedTensor {
+            name: name.to_string(),
+            stored_bytes: stored,
+            kept_bytes: kept,
+            split,
+            matrix: rows.is_some(),
+            kept_rows: rows.unwrap_or(0),
+        };
         self.loaded.push(t);
     }
 
@@ -212,11 +254,32 @@ impl TensorSource for CheckpointSource<'_> {
     fn matrix_part(&mut self, name: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let info = self.ck.expect(name, &[rows, cols], &[Dtype::Bf16, Dtype::F32])?;
         part.check(name, rows, cols)?;
+        if self.fp8_dense && fp8_dense_target(name) {
+            let whole = Weight {
+                rows,
+                cols,
+                store: if info.dtype == Dtype::Bf16 {
+                    WeightStore::Bf16(self.ck.bytes(info))
+                } else {
+                    WeightStore::F32(self.ck.bytes(info))
+                },
+                prepared: None,
+            };
+            let (codes, scales) = Self::requantise(&whole.m(), &part);
+            if let WeightStore::Bf16(b) | WeightStore::F32(b) = &whole.store {
+                b.release_pages();
+            }
+            let (r, c) = part.dims(rows, cols);
+            let w = Weight { rows: r, cols: c, store: WeightStore::Fp8 { codes, scales }, prepared: None };
+            // The requantised weight is all that stays resident; its accounting is what it holds.
+            self.record(name, info.nbytes(), w.stored_bytes(), part != Part::Whole, Some(r));
+            return Ok(w);
+        }
         let elem = info.dtype.size();
         let bytes = Self::cut(self.ck.bytes(info), cols * elem, &part, cols);
         let (r, c) = part.dims(rows, cols);
         let stored = info.nbytes();
-        self.record(name, stored, bytes.bytes().len(), part != Part::Whole, true);
+        self.record(name, stored, bytes.bytes().len(), part != Part::Whole, Some(part.dims(rows, cols).0));
         let store = if info.dtype == Dtype::Bf16 { WeightStore::Bf16(bytes) } else { WeightStore::F32(bytes) };
         Ok(Weight { rows: r, cols: c, store, prepared: None })
     }
@@ -246,8 +309,9 @@ impl TensorSource for CheckpointSource<'_> {
         let scales = Self::cut(self.ck.bytes(s), cols / 32, &part, cols);
         let (stored_p, stored_s) = (p.nbytes(), s.nbytes());
         let split = part != Part::Whole;
-        self.record(&packed_name, stored_p, packed.bytes().len(), split, true);
-        self.record(&scale_name, stored_s, scales.bytes().len(), split, true);
+        let kept_rows = Some(part.dims(rows, cols).0);
+        self.record(&packed_name, stored_p, packed.bytes().len(), split, kept_rows);
+        self.record(&scale_name, stored_s, scales.bytes().len(), split, kept_rows);
         let (r, c) = part.dims(rows, cols);
         Ok(Weight { rows: r, cols: c, store: WeightStore::Mxfp4 { packed, scales }, prepared: None })
     }
@@ -266,7 +330,7 @@ impl TensorSource for CheckpointSource<'_> {
         }
         let kept = all[first.start * per..first.end * per].to_vec();
         let split = first.len() != lead;
-        self.record(name, info.nbytes(), info.nbytes() / lead * first.len(), split, false);
+        self.record(name, info.nbytes(), info.nbytes() / lead * first.len(), split, None);
         Ok(kept)
     }
 }

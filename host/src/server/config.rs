@@ -41,6 +41,9 @@ pub struct ServeConfig {
     /// Ranks of the tensor-parallel group that split each sequence's latent cache by pages
     /// (1, or `tensor_parallel`; default 1).
     pub context_parallel: Option<usize>,
+    /// Requantise attention, dense-MLP and shared-expert linears to FP8 at load.
+    #[serde(default)]
+    pub fp8_dense: bool,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -304,6 +307,7 @@ impl ServeConfig {
             threads: None,
             tensor_parallel: None,
             context_parallel: None,
+            fp8_dense: false,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),

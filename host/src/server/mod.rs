@@ -29,7 +29,7 @@ use tower_http::trace::TraceLayer;
 
 use crate::engine::Engine;
 use crate::grammar::GrammarEngine;
-use crate::model::{Model, Parallelism};
+use crate::model::{Model, Parallelism, WeightFormat};
 use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
 use crate::tokenizer::Tokenizer;
 use config::{HttpSection, LimitsSection, OperatorSection, ServeConfig, key_hash};
@@ -79,9 +79,10 @@ impl AppState {
     pub fn build(cfg: &ServeConfig, model_dir: &std::path::Path) -> Result<AppState, ServeError> {
         cfg.validate()?;
         let model = Arc::new(
-            Model::load_with(
+            Model::load_as(
                 model_dir,
                 Parallelism { tensor: cfg.tensor_parallel.unwrap_or(1), context: cfg.context_parallel.unwrap_or(1) },
+                WeightFormat { fp8_dense: cfg.fp8_dense },
             )
             .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
         );

@@ -24,6 +24,18 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     if let Matrix::Packed(p) = w {
         return super::packed::matmul(p, x, tokens, out);
     }
+    if let Matrix::Fp8(_) = w {
+        // Per-token FP8 activations (ATOM's ptpc_fp8): each product of an E4M3 weight and an
+        // E4M3 activation is exact in f32, so this equals the scaled integer-grid product up to
+        // the f32 accumulation.
+        let xq = super::fp8::quantize_activations(x, w.cols());
+        return matmul_stored(w, &xq, tokens, out);
+    }
+    matmul_stored(w, x, tokens, out)
+}
+
+/// [`matmul`] over a weight read in its stored format, row by row.
+fn matmul_stored(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
     assert_eq!(out.len(), tokens * rows, "matmul: out has {} values, want {tokens}×{rows}", out.len());

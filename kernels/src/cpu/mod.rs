@@ -11,6 +11,7 @@ pub mod bf16;
 pub mod disjoint;
 pub mod elementwise;
 pub mod embedding;
+pub mod fp8;
 pub mod gemm;
 pub mod indexer;
 pub mod kda;

@@ -101,7 +101,7 @@ impl PackedMatrix {
                 );
                 PackedData::Mxfp4 { nibbles, scales }
             }
-            Matrix::F32(_) | Matrix::Packed(_) => return None,
+            Matrix::F32(_) | Matrix::Fp8(_) | Matrix::Packed(_) => return None,
         };
         Some(PackedMatrix { rows, cols, data })
     }

@@ -187,6 +187,19 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
         "2",
     ]));
     assert_eq!(tp2, a, "greedy tokens at TP 2");
+    let fp8 = run_ok(bin().args(["generate", "--model"]).arg(dir.path()).args([
+        "--prompt-ids",
+        "[1,2,3]",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--fp8-dense",
+        "--tensor-parallel",
+        "2",
+        "--context-parallel",
+        "2",
+    ]));
+    assert_eq!(fp8.lines().count(), 5, "FP8 dense on two context-parallel ranks generates");
     let bench = run_ok(bin().args(["bench", "forward", "--model"]).arg(dir.path()).args([
         "--prompt-len",
         "16",

@@ -10,6 +10,7 @@ mod cli;
 mod constrained;
 mod engine;
 mod examples;
+mod fp8;
 mod fuzz;
 mod golden_chat;
 mod golden_model;
