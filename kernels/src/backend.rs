@@ -257,9 +257,12 @@ pub trait Backend: Send + Sync {
 
     /// Routed experts (grouped: each expert's weights read once for all the tokens routed to
     /// it): `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(z[t])`, summed in expert-id order.
+    /// `experts` holds experts `first..first + experts.len()` (all of them, or one rank's under
+    /// expert parallelism); choices of other experts contribute nothing here.
     fn moe_experts(
         &self,
         experts: &[ExpertMatrices<'_>],
+        first: usize,
         routing: &Routing,
         z: &[f32],
         act: SituParams,

@@ -619,7 +619,7 @@ fn moe_route_and_grouped_experts_match_reference() {
         let act = SituParams { beta: 4.0, linear_beta: Some(25.0) };
         let zin = randn(&mut rng, tokens * lat);
         let mut out = vec![0f32; tokens * lat];
-        be.moe_experts(&experts, &routing, &zin, act, &mut out);
+        be.moe_experts(&experts, 0, &routing, &zin, act, &mut out);
         let mut want = vec![0f64; tokens * lat];
         for t in 0..tokens {
             for j in 0..top_k {
@@ -640,6 +640,16 @@ fn moe_route_and_grouped_experts_match_reference() {
             }
         }
         assert_close(&out, &want, 1e-4, &format!("{name} moe_experts"));
+
+        // Expert parallelism: ranks holding contiguous ranges of the experts add up to the whole.
+        let cut = experts.len() / 3;
+        let mut sum = vec![0f32; out.len()];
+        for (first, part) in [(0, &experts[..cut]), (cut, &experts[cut..2 * cut]), (2 * cut, &experts[2 * cut..])] {
+            let mut y = vec![1f32; out.len()];
+            be.moe_experts(part, first, &routing, &zin, act, &mut y);
+            sum.iter_mut().zip(&y).for_each(|(s, y)| *s += y);
+        }
+        assert_close(&sum, &want, 1e-4, &format!("{name} moe_experts split over 3 expert ranges"));
     }
 }
 

@@ -117,6 +117,10 @@ enum Command {
         /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
         #[arg(long)]
         fp8_dense: bool,
+        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
+        /// instead of splitting every expert's intermediate dimension.
+        #[arg(long)]
+        expert_parallel: bool,
     },
     /// Greedy generation; prints one id per line.
     Generate {
@@ -141,6 +145,10 @@ enum Command {
         /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
         #[arg(long)]
         fp8_dense: bool,
+        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
+        /// instead of splitting every expert's intermediate dimension.
+        #[arg(long)]
+        expert_parallel: bool,
     },
     /// Write a small random checkpoint in the real Kimi-K3 layout.
     MakeTiny {
@@ -209,6 +217,9 @@ enum Command {
         /// Requantise attention, dense-MLP and shared-expert linears to FP8 (sets `fp8_dense`).
         #[arg(long)]
         fp8_dense: bool,
+        /// Whole routed experts per rank (sets `expert_parallel`).
+        #[arg(long)]
+        expert_parallel: bool,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -316,6 +327,10 @@ enum BenchCommand {
         /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
         #[arg(long)]
         fp8_dense: bool,
+        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
+        /// instead of splitting every expert's intermediate dimension.
+        #[arg(long)]
+        expert_parallel: bool,
         #[arg(long)]
         json: bool,
     },
@@ -366,7 +381,7 @@ fn server_state(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    par: (Option<usize>, Option<usize>, bool),
+    par: (Option<usize>, Option<usize>, bool, bool),
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -387,6 +402,9 @@ fn server_state(
     }
     if par.2 {
         cfg.fp8_dense = true;
+    }
+    if par.3 {
+        cfg.expert_parallel = true;
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -413,7 +431,7 @@ fn serve(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    par: (Option<usize>, Option<usize>, bool),
+    par: (Option<usize>, Option<usize>, bool, bool),
 ) -> Result<()> {
     use kimi_host::server::{embedded, serve};
     let (cfg, state) = server_state(config, model, listen, par)?;
@@ -433,8 +451,8 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve { config, model, listen, tensor_parallel, context_parallel, fp8_dense } => {
-            serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense))?
+        Command::Serve { config, model, listen, tensor_parallel, context_parallel, fp8_dense, expert_parallel } => {
+            serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense, expert_parallel))?
         }
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
@@ -478,8 +496,17 @@ fn main() -> Result<()> {
                 print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
         }
-        Command::Logits { model, prompt_ids, decode_ids, out, tensor_parallel, context_parallel, fp8_dense } => {
-            let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
+        Command::Logits {
+            model,
+            prompt_ids,
+            decode_ids,
+            out,
+            tensor_parallel,
+            context_parallel,
+            fp8_dense,
+            expert_parallel,
+        } => {
+            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
             logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, par, fp8_dense)?
         }
         Command::Generate {
@@ -490,12 +517,14 @@ fn main() -> Result<()> {
             tensor_parallel,
             context_parallel,
             fp8_dense,
+            expert_parallel,
         } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let m = load(&model, Parallelism { tensor: tensor_parallel, context: context_parallel }, fp8_dense)?;
+            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
+            let m = load(&model, par, fp8_dense)?;
             let eos = m.text_config().eos_token_id;
             let mut state = m.new_state();
             let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
@@ -534,7 +563,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None, (None, None, false))?;
+            let (_, state) = server_state(config, model, None, (None, None, false, false))?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,
@@ -561,6 +590,7 @@ fn main() -> Result<()> {
             tensor_parallel,
             context_parallel,
             fp8_dense,
+            expert_parallel,
             json,
         }) => {
             if let Some(n) = threads {
@@ -571,7 +601,7 @@ fn main() -> Result<()> {
             if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
-            let par = Parallelism { tensor: tensor_parallel, context: context_parallel };
+            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
             let r = bench_forward(&model, prompt_len, decode, &batch, par, WeightFormat { fp8_dense })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);

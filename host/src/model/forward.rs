@@ -126,17 +126,20 @@ pub struct Parallelism {
     /// Ranks of the tensor-parallel group that split each sequence's latent cache by pages
     /// instead of each holding all of it (`--context-parallel`): 1, or the tensor-parallel size.
     pub context: usize,
+    /// Routed experts placed whole on the tensor-parallel ranks (a contiguous range each)
+    /// instead of split on their intermediate dimension (`--expert-parallel`).
+    pub expert: bool,
 }
 
 impl Default for Parallelism {
     fn default() -> Self {
-        Parallelism { tensor: 1, context: 1 }
+        Parallelism { tensor: 1, context: 1, expert: false }
     }
 }
 
 impl Parallelism {
     pub fn tensor(n: usize) -> Parallelism {
-        Parallelism { tensor: n, context: 1 }
+        Parallelism { tensor: n, ..Parallelism::default() }
     }
 }
 
@@ -179,7 +182,7 @@ impl Model {
         for (r, comm) in comms.into_iter().enumerate() {
             let mut src = CheckpointSource::new(&ck);
             src.fp8_dense = fmt.fp8_dense;
-            let mut rank = Model::build_rank(&config.text, &mut src, Shard { rank: r, size: n }, comm)?;
+            let mut rank = Model::build_rank(&config.text, &mut src, Shard { rank: r, size: n }, par.expert, comm)?;
             rank.loaded = src.loaded;
             ranks.push(rank);
         }
@@ -191,7 +194,7 @@ impl Model {
 
     /// Builds the whole model from any tensor source (a checkpoint, or a name recorder).
     pub fn build(config: ModelConfig, src: &mut dyn TensorSource) -> Result<Model, ModelError> {
-        let rank = Model::build_rank(&config.text, src, Shard::WHOLE, ThreadComm::group(1).remove(0))?;
+        let rank = Model::build_rank(&config.text, src, Shard::WHOLE, false, ThreadComm::group(1).remove(0))?;
         let rc = config.text.clone();
         Model::assemble(config, rc, vec![rank])
     }
@@ -230,12 +233,18 @@ impl Model {
     /// planning without weights), after checking that `sh.size` can split the heads.
     pub fn record_shard(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard) -> Result<(), ModelError> {
         rank_config(c, sh.size)?;
-        Model::build_rank(c, src, sh, ThreadComm::group(1).remove(0)).map(drop)
+        Model::build_rank(c, src, sh, false, ThreadComm::group(1).remove(0)).map(drop)
     }
 
     /// Rank `sh`'s part of every weight: vocabulary rows of the embedding and LM head, and each
     /// layer's shard (see the layers' `load`); norms and AttnRes queries are replicated.
-    fn build_rank(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard, comm: ThreadComm) -> Result<Rank, ModelError> {
+    fn build_rank(
+        c: &TextConfig,
+        src: &mut dyn TensorSource,
+        sh: Shard,
+        ep: bool,
+        comm: ThreadComm,
+    ) -> Result<Rank, ModelError> {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let m = |s: &str| format!("{PREFIX}model.{s}");
         let vocab = sh.range(v, 1);
@@ -254,7 +263,7 @@ impl Model {
                 MixerKind::Mla => Mixer::Mla(MlaLayer::load(src, &format!("{p}.self_attn"), c, sh)?),
             };
             let ffn = if c.is_moe_layer(i) {
-                Ffn::Moe(MoeLayer::load(src, &format!("{p}.block_sparse_moe"), c, sh)?)
+                Ffn::Moe(MoeLayer::load(src, &format!("{p}.block_sparse_moe"), c, sh, ep)?)
             } else {
                 Ffn::Dense(Mlp::load(src, &format!("{p}.mlp"), d, c.intermediate_size, sh)?)
             };

@@ -30,7 +30,9 @@ pub struct MoeLayer {
     /// The hidden rows of `up` this rank holds (all of them at TP 1).
     up_rows: Range<usize>,
     norm: Option<Vec<f32>>,
+    /// The experts this rank holds: `first_expert..first_expert + experts.len()`.
     pub experts: Vec<Expert>,
+    first_expert: usize,
     shared: Option<Mlp>,
     top_k: usize,
     renormalize: bool,
@@ -39,19 +41,27 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
-    /// Loads the layer, or rank `sh`'s part of it (ATOM's TP mode): every routed expert with a
-    /// contiguous range of its intermediate rows (`w1`, `w3`) and the matching columns of `w2`
-    /// (in 32-value blocks when `w2` is MXFP4), the shared experts' intermediate likewise, and
-    /// a range of the hidden rows of the latent up-projection. The router and the latent
-    /// down-projection are replicated, so every rank routes identically.
-    pub fn load(src: &mut dyn TensorSource, prefix: &str, c: &TextConfig, sh: Shard) -> Result<MoeLayer, ModelError> {
+    /// Loads the layer, or rank `sh`'s part of it. TP mode (ATOM's default): every routed
+    /// expert with a contiguous range of its intermediate rows (`w1`, `w3`) and the matching
+    /// columns of `w2` (in 32-value blocks when `w2` is MXFP4). Expert parallelism (`ep`): a
+    /// contiguous range of whole experts (linear placement). Either way the shared experts' intermediate
+    /// is split likewise, and a range of the hidden rows of the latent up-projection; the router and
+    /// the latent down-projection are replicated, so every rank routes identically.
+    pub fn load(
+        src: &mut dyn TensorSource,
+        prefix: &str,
+        c: &TextConfig,
+        sh: Shard,
+        ep: bool,
+    ) -> Result<MoeLayer, ModelError> {
         let (d, e, lat, inter) = (c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size);
         let n = |s: &str| format!("{prefix}.{s}");
         let unit = if src.expert_is_mxfp4(&n("experts.0.w2")) { 32 } else { 1 };
-        let mine = sh.range(inter, unit);
+        let (held, mine) = if ep { (sh.range(e, 1), 0..inter) } else { (0..e, sh.range(inter, unit)) };
         let (rows, cols) =
             if mine.len() == inter { (Part::Whole, Part::Whole) } else { (Part::Rows(mine.clone()), Part::Cols(mine)) };
-        let experts = (0..e)
+        let first_expert = held.start;
+        let experts = held
             .map(|i| {
                 Ok(Expert {
                     w1: src.expert_matrix_part(&n(&format!("experts.{i}.w1")), inter, lat, rows.clone())?,
@@ -75,6 +85,7 @@ impl MoeLayer {
             up_rows,
             norm: if c.latent_moe_norm { Some(src.vector(&n("routed_expert_norm.weight"), &[lat])?) } else { None },
             experts,
+            first_expert,
             shared,
             top_k: c.experts_per_token,
             renormalize: c.moe_renormalize,
@@ -133,13 +144,13 @@ impl MoeLayer {
         let d = self.gate.cols;
         let z = self.down.matmul(be, sc, x, tokens);
         let mut y_lat = sc.zeroed(tokens * lat);
-        if self.experts.first().is_some_and(|e| e.w1.rows > 0) {
+        if self.experts.first().is_some_and(|e| e.w1.rows > 0 && e.w2.cols > 0) {
             let experts: Vec<ExpertMatrices<'_>> = self
                 .experts
                 .iter()
                 .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
                 .collect();
-            be.moe_experts(&experts, &routing, &z, act, &mut y_lat);
+            be.moe_experts(&experts, self.first_expert, &routing, &z, act, &mut y_lat);
         }
         if comm.size() > 1 {
             comm.all_reduce_sum(&mut y_lat);

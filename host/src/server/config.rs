@@ -44,6 +44,9 @@ pub struct ServeConfig {
     /// Requantise attention, dense-MLP and shared-expert linears to FP8 at load.
     #[serde(default)]
     pub fp8_dense: bool,
+    /// Place whole routed experts on the tensor-parallel ranks instead of splitting each.
+    #[serde(default)]
+    pub expert_parallel: bool,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -308,6 +311,7 @@ impl ServeConfig {
             tensor_parallel: None,
             context_parallel: None,
             fp8_dense: false,
+            expert_parallel: false,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),

@@ -81,7 +81,11 @@ impl AppState {
         let model = Arc::new(
             Model::load_as(
                 model_dir,
-                Parallelism { tensor: cfg.tensor_parallel.unwrap_or(1), context: cfg.context_parallel.unwrap_or(1) },
+                Parallelism {
+                    tensor: cfg.tensor_parallel.unwrap_or(1),
+                    context: cfg.context_parallel.unwrap_or(1),
+                    expert: cfg.expert_parallel,
+                },
                 WeightFormat { fp8_dense: cfg.fp8_dense },
             )
             .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,

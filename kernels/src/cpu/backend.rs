@@ -138,11 +138,12 @@ impl Backend for CpuBackend {
     fn moe_experts(
         &self,
         experts: &[ExpertMatrices<'_>],
+        first: usize,
         routing: &Routing,
         z: &[f32],
         act: SituParams,
         out: &mut [f32],
     ) {
-        super::moe::moe_experts(experts, routing, z, act, out)
+        super::moe::moe_experts(experts, first, routing, z, act, out)
     }
 }

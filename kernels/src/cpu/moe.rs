@@ -33,16 +33,27 @@ pub fn moe_route(logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing
 
 /// Tokens grouped by expert so each expert's weights are read once per step; one rayon job per
 /// active expert; the weighted sum runs in expert-id order so results do not depend on threading.
-pub fn moe_experts(experts: &[ExpertMatrices<'_>], routing: &Routing, z: &[f32], act: SituParams, out: &mut [f32]) {
-    let Some(first) = experts.first() else { return };
-    let lat = first.w1.cols();
+pub fn moe_experts(
+    experts: &[ExpertMatrices<'_>],
+    first: usize,
+    routing: &Routing,
+    z: &[f32],
+    act: SituParams,
+    out: &mut [f32],
+) {
+    out.fill(0.0);
+    let Some(e0) = experts.first() else { return };
+    let lat = e0.w1.cols();
     let tokens = z.len() / lat.max(1);
     assert_eq!(out.len(), tokens * lat, "moe_experts: out has {} values", out.len());
     let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
     for t in 0..tokens {
         for j in 0..routing.top_k {
             let k = t * routing.top_k + j;
-            by_expert[routing.ids[k]].push((t, routing.weights[k]));
+            // Experts another rank holds (expert parallelism) are its to add.
+            if let Some(e) = routing.ids[k].checked_sub(first).filter(|&e| e < experts.len()) {
+                by_expert[e].push((t, routing.weights[k]));
+            }
         }
     }
     let active: Vec<usize> = (0..experts.len()).filter(|&e| !by_expert[e].is_empty()).collect();
@@ -67,7 +78,6 @@ pub fn moe_experts(experts: &[ExpertMatrices<'_>], routing: &Routing, z: &[f32],
             (e, y)
         })
         .collect();
-    out.fill(0.0);
     for (e, y) in &partials {
         for (i, &(t, w)) in by_expert[*e].iter().enumerate() {
             axpy(w, &y[i * lat..(i + 1) * lat], &mut out[t * lat..(t + 1) * lat]);

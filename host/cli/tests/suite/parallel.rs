@@ -200,7 +200,7 @@ fn tensor_parallel_3_splits_uneven_dimensions() {
 /// within 1e-4 (only the attention's softmax is regrouped, by rank).
 fn check_context_parallel(dir: &Path, n: usize, prompt: &[u32]) -> f32 {
     let plain = Model::load_with(dir, Parallelism::tensor(n)).expect("TP");
-    let cp = Model::load_with(dir, Parallelism { tensor: n, context: n }).expect("TP with CP");
+    let cp = Model::load_with(dir, Parallelism { tensor: n, context: n, expert: false }).expect("TP with CP");
     let layers = plain.text_config().num_layers;
     let topk = plain.text_config().indexer.as_ref().map_or(0, |ix| ix.topk);
     assert!(prompt.len() > topk, "the sequence must outgrow the indexer's top-k ({topk})");
@@ -247,9 +247,45 @@ fn context_parallel_2_and_3_equal_one_cache_per_rank() {
     let d = check_context_parallel(dir.path(), 3, &prompt);
     eprintln!("3-head model CP 3: max |Δ logits| {d:.2e}");
 
-    match Model::load_with(dir.path(), Parallelism { tensor: 3, context: 2 }) {
+    match Model::load_with(dir.path(), Parallelism { tensor: 3, context: 2, expert: false }) {
         Err(ModelError::Parallel { msg }) => assert!(msg.contains("context-parallel"), "{msg}"),
         Err(e) => panic!("wrong error {e}"),
         Ok(_) => panic!("CP 2 of TP 3 is refused"),
+    }
+}
+
+#[test]
+fn expert_parallel_places_whole_experts_and_equals_one_rank() {
+    for (name, n) in [("k3-tiny", 2), ("k3-tiny-mxfp4", 4)] {
+        let g = Golden::open(name);
+        let prompt = golden_prompt(&g);
+        let one = Model::load(&g.dir).expect("model");
+        let ep = Model::load_with(&g.dir, Parallelism { tensor: n, context: 1, expert: true }).expect("EP");
+        let (p1, d1, _, g1) = run(&one, &prompt, 4);
+        let (p2, d2, _, g2) = run(&ep, &prompt, 4);
+        let d = max_abs_diff(&p1, &p2).max(max_abs_diff(&d1, &d2));
+        eprintln!("{name} EP {n}: max |Δ logits| {d:.2e}");
+        assert!(d <= LOGITS_TOL, "{name} EP {n}: {d}");
+        assert_eq!(g1, g2);
+        // Each rank holds E / n whole experts: expert tensors are never cut, and each is on one rank.
+        let experts = one.text_config().num_experts;
+        let mut holders: BTreeMap<&str, usize> = BTreeMap::new();
+        for rank in ep.ranks() {
+            let mine: Vec<&str> =
+                rank.loaded.iter().filter(|t| t.name.contains(".experts.")).map(|t| t.name.as_str()).collect();
+            assert!(rank.loaded.iter().filter(|t| t.name.contains(".experts.")).all(|t| !t.split));
+            let layer1 = mine
+                .iter()
+                .filter(|t| {
+                    t.contains("layers.1.") && t.ends_with("w1.weight")
+                        || t.contains("layers.1.") && t.ends_with("w1.weight_packed")
+                })
+                .count();
+            assert_eq!(layer1, experts / n, "rank {}: its experts of layer 1", rank.shard.rank);
+            for t in mine {
+                *holders.entry(t).or_default() += 1;
+            }
+        }
+        assert!(holders.values().all(|&h| h == 1), "every expert tensor on exactly one rank");
     }
 }
