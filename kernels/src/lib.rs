@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod comm;
 pub mod cpu;
+pub mod gpu;
 
 pub use backend::{
     Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,

@@ -224,9 +224,23 @@ enum Command {
     /// Plugin tools.
     #[command(subcommand)]
     Plugin(PluginCommand),
+    /// GPU kernel tools.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum KernelsCommand {
+    /// Print the manifest `scripts/build-gpu-kernels.sh` wrote: every kernel per architecture
+    /// with its parameter size, registers, LDS and spills, and the compiler.
+    Report {
+        /// The manifest (default: target/gpu-kernels/manifest.json).
+        #[arg(long, default_value = "target/gpu-kernels/manifest.json")]
+        manifest: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -461,6 +475,13 @@ fn main() -> Result<()> {
             } else {
                 print!("{report}");
             }
+        }
+        Command::Kernels(KernelsCommand::Report { manifest }) => {
+            let text = std::fs::read_to_string(&manifest).with_context(|| {
+                format!("reading {} (build the kernels first: scripts/build-gpu-kernels.sh)", manifest.display())
+            })?;
+            let m = kimi_kernels::gpu::manifest::Manifest::parse(&text).map_err(anyhow::Error::msg)?;
+            print!("{m}");
         }
         Command::Plan {
             model_dir,

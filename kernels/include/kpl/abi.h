@@ -1,0 +1,48 @@
+// One plain-C parameter struct per kernel entry point: the source of truth for the Rust mirrors
+// in `kernels/src/gpu/abi.rs` (a test compares sizes). Pointers are device addresses; counts are
+// u32. Keep fields 8-byte pointers first, then 4-byte values, so no target pads differently.
+#pragma once
+
+// kpl_rmsnorm_f32: out[r, c] = w[c] · x[r, c] / rms(x[r, :]); one block per row.
+typedef struct {
+    const float* x;
+    const float* w;
+    float* out;
+    uint32_t rows;
+    uint32_t cols;
+    float eps;
+    uint32_t pad_;
+} KplRmsnormParams;
+
+// kpl_gated_rmsnorm_f32: per head of `dim` values, out = w · o / rms(o) · σ(gate) (KDA's output
+// norm); one block per (row, head).
+typedef struct {
+    const float* o;
+    const float* gate;
+    const float* w;
+    float* out;
+    uint32_t groups;
+    uint32_t dim;
+    float eps;
+    uint32_t pad_;
+} KplGatedRmsnormParams;
+
+// kpl_situ_glu_f32: gate[i] ← β·tanh(g/β)·σ(g) · (β_lin·tanh(u/β_lin) | u), grid-stride.
+typedef struct {
+    float* gate;
+    const float* up;
+    uint32_t n;
+    float beta;
+    float linear_beta;
+    // 1: cap the up branch with linear_beta; 0: use it as is.
+    uint32_t has_linear_beta;
+} KplSituParams;
+
+// kpl_embedding_bf16: out[t, :] = table[ids[t], :] widened to f32, grid-stride over t · cols.
+typedef struct {
+    const uint16_t* table;
+    const uint32_t* ids;
+    float* out;
+    uint32_t tokens;
+    uint32_t cols;
+} KplEmbeddingParams;

@@ -1,0 +1,217 @@
+// kpl — the kernel portability layer: the only place with vendor #ifs. One kernel source builds
+// three ways:
+//   * AMD (gfx950, gfx942) header-free with clang builtins: `-x hip --cuda-device-only -nogpuinc`;
+//   * NVIDIA (sm_90) header-free with NVVM builtins: `-x cuda --cuda-device-only -nocudainc`;
+//   * the host (KPL_CPU), where every GPU thread of a block is a std::thread (kpl_cpu.h), the wave
+//     size is a launch parameter, barriers are std::barrier and shuffles go through an exchange
+//     buffer — so wave-32/64 and missing-barrier bugs show up in `cargo test` (and under TSan).
+//
+// Rules for kernels: one entry point per KPL_KERNEL with one by-value parameter struct from abi.h;
+// no system headers; shuffles always name their width; barriers only in uniform control flow.
+#pragma once
+
+#if defined(KPL_CPU)
+#include "kpl_cpu.h"
+#define KPL_DEVICE inline
+#define KPL_SHARED static
+#define KPL_KERNEL(name, P)                                                                       \
+    extern "C" void name(P p);                                                                    \
+    extern "C" void kpl_cpu_launch_##name(unsigned grid, unsigned block, unsigned wave, const P* p) { \
+        kpl::cpu::launch(grid, block, wave, [p] { name(*p); });                                   \
+    }                                                                                             \
+    extern "C" unsigned long kpl_abi_size_##name(void) { return sizeof(P); }                      \
+    extern "C" void name(P p)
+#elif defined(__AMDGCN__)
+#define KPL_AMD 1
+#define KPL_DEVICE static inline __attribute__((device)) __attribute__((always_inline))
+#define KPL_SHARED static __attribute__((shared))
+#define KPL_KERNEL(name, P)                                                                       \
+    extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(1, 1024))) void name(P p)
+#elif defined(__NVPTX__)
+#define KPL_NV 1
+#define KPL_DEVICE static inline __attribute__((device)) __attribute__((always_inline))
+#define KPL_SHARED static __attribute__((shared))
+#define KPL_KERNEL(name, P) extern "C" __attribute__((global)) void name(P p)
+#else
+// The host pass of an offload compile sees only declarations.
+#define KPL_HOST_PASS 1
+#define KPL_DEVICE static inline
+#define KPL_SHARED static
+#define KPL_KERNEL(name, P) extern "C" void name(P p)
+#endif
+
+#if !defined(KPL_CPU)
+// No system headers on the device: the fixed-width types from the compiler's builtins.
+typedef __UINT8_TYPE__ uint8_t;
+typedef __UINT16_TYPE__ uint16_t;
+typedef __UINT32_TYPE__ uint32_t;
+typedef __UINT64_TYPE__ uint64_t;
+typedef __INT32_TYPE__ int32_t;
+typedef __SIZE_TYPE__ size_t;
+#endif
+
+#include "abi.h"
+
+namespace kpl {
+
+// ---- indices -------------------------------------------------------------------------------
+KPL_DEVICE unsigned thread_id() {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_workitem_id_x();
+#elif defined(KPL_NV)
+    return __nvvm_read_ptx_sreg_tid_x();
+#elif defined(KPL_CPU)
+    return cpu::ctx.tid;
+#else
+    return 0;
+#endif
+}
+
+KPL_DEVICE unsigned block_id() {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_workgroup_id_x();
+#elif defined(KPL_NV)
+    return __nvvm_read_ptx_sreg_ctaid_x();
+#elif defined(KPL_CPU)
+    return cpu::ctx.bid;
+#else
+    return 0;
+#endif
+}
+
+KPL_DEVICE unsigned block_dim() {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_workgroup_size_x();
+#elif defined(KPL_NV)
+    return __nvvm_read_ptx_sreg_ntid_x();
+#elif defined(KPL_CPU)
+    return cpu::ctx.bdim;
+#else
+    return 1;
+#endif
+}
+
+KPL_DEVICE unsigned grid_dim() {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x();
+#elif defined(KPL_NV)
+    return __nvvm_read_ptx_sreg_nctaid_x();
+#elif defined(KPL_CPU)
+    return cpu::ctx.grid;
+#else
+    return 1;
+#endif
+}
+
+// Lanes in a wave: 64 on CDNA, 32 on NVIDIA, the launch's choice on the host.
+KPL_DEVICE unsigned wave_size() {
+#if defined(KPL_AMD)
+    return 64;
+#elif defined(KPL_NV)
+    return 32;
+#elif defined(KPL_CPU)
+    return cpu::ctx.wave;
+#else
+    return 1;
+#endif
+}
+
+KPL_DEVICE unsigned lane_id() { return thread_id() % wave_size(); }
+
+// ---- synchronisation -------------------------------------------------------------------------
+// A block-wide barrier that also orders workgroup memory.
+KPL_DEVICE void sync() {
+#if defined(KPL_AMD)
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_s_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+#elif defined(KPL_NV)
+    __nvvm_bar_sync(0);
+#elif defined(KPL_CPU)
+    cpu::block_sync();
+#endif
+}
+
+// The value of lane (lane ^ mask) within segments of `width` lanes (mask < width ≤ wave).
+KPL_DEVICE float shfl_xor(float v, unsigned mask, unsigned width) {
+#if defined(KPL_AMD)
+    (void)width;
+    int src = (int)(lane_id() ^ mask);
+    return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute(src << 2, __builtin_bit_cast(int, v)));
+#elif defined(KPL_NV)
+    unsigned c = ((32u - width) << 8) | 0x1fu;
+    return __nvvm_shfl_sync_bfly_f32(0xffffffffu, v, (int)mask, (int)c);
+#elif defined(KPL_CPU)
+    (void)width;
+    return cpu::shfl_xor(v, mask);
+#else
+    (void)mask;
+    (void)width;
+    return v;
+#endif
+}
+
+// ---- math --------------------------------------------------------------------------------------
+KPL_DEVICE float rsqrt(float x) {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_rsqf(x);
+#elif defined(KPL_NV)
+    return __nvvm_rsqrt_approx_f(x);
+#elif defined(KPL_CPU)
+    return 1.0f / std::sqrt(x);
+#else
+    return x;
+#endif
+}
+
+// 2^x.
+KPL_DEVICE float exp2(float x) {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_exp2f(x);
+#elif defined(KPL_NV)
+    return __nvvm_ex2_approx_f(x);
+#elif defined(KPL_CPU)
+    return std::exp2(x);
+#else
+    return x;
+#endif
+}
+
+KPL_DEVICE float exp(float x) { return exp2(x * 1.4426950408889634f); }
+
+KPL_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+
+// tanh through e^{-2|x|} ≤ 1, so nothing overflows.
+KPL_DEVICE float tanh(float x) {
+    float a = x < 0.0f ? -x : x;
+    float e = exp(-2.0f * a);
+    float t = (1.0f - e) / (1.0f + e);
+    return x < 0.0f ? -t : t;
+}
+
+// ---- storage types --------------------------------------------------------------------------
+KPL_DEVICE float bf16_to_f32(uint16_t b) { return __builtin_bit_cast(float, (uint32_t)b << 16); }
+
+// ---- reductions ---------------------------------------------------------------------------------
+// Sum over the wave: every lane gets it.
+KPL_DEVICE float wave_sum(float v) {
+    unsigned w = wave_size();
+    for (unsigned m = w / 2; m > 0; m /= 2) v += shfl_xor(v, m, w);
+    return v;
+}
+
+// Sum over the block (block_dim a multiple of the wave, at most 32 waves): every thread gets it.
+// `scratch` is shared memory of at least 32 floats.
+KPL_DEVICE float block_sum(float v, float* scratch) {
+    unsigned w = wave_size(), lane = lane_id(), wid = thread_id() / w, waves = block_dim() / w;
+    v = wave_sum(v);
+    if (lane == 0) scratch[wid] = v;
+    sync();
+    float t = lane < waves ? scratch[lane] : 0.0f;
+    t = wave_sum(t);
+    // Everyone has read the partials before anyone may write scratch again.
+    sync();
+    return t;
+}
+
+}  // namespace kpl

@@ -1,0 +1,145 @@
+//! Every kernel of `kernels/ops/` run on the host at wave 32 and 64 against the Rust CPU backend,
+//! over odd shapes (rows of 1 and 65, a column count that is not a multiple of the block, a
+//! single-wave block and a 32-wave one).
+
+use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
+use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, RmsnormParams, SituParams};
+use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
+use kimi_kpl_host::{Launch, addr};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// |got − want| ≤ tol · (1 + |want|): the device's rsqrt / exp2 are approximate (about 1 ulp on
+/// hardware; exact on the host), so the bound leaves room for them.
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+const WAVES: [u32; 2] = [32, 64];
+
+#[test]
+fn parameter_structs_match_abi_h() {
+    use std::mem::size_of;
+    // SAFETY: the size functions read nothing.
+    unsafe {
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_rmsnorm_f32() as usize, size_of::<RmsnormParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_gated_rmsnorm_f32() as usize, size_of::<GatedRmsnormParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_situ_glu_f32() as usize, size_of::<SituParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_embedding_bf16() as usize, size_of::<EmbeddingParams>());
+    }
+}
+
+#[test]
+fn rmsnorm_matches_the_cpu_backend_at_both_wave_sizes() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for wave in WAVES {
+        for (rows, cols, block) in [(1usize, 7usize, 64u32), (65, 300, 128), (3, 1000, 64), (2, 4096, 1024)] {
+            let block = block.max(wave);
+            let x = randn(&mut rng, rows * cols, 3.0);
+            let w = randn(&mut rng, cols, 1.0);
+            let mut want = vec![0f32; rows * cols];
+            CpuBackend.rms_norm(&x, &w, 1e-5, &mut want);
+            let mut got = vec![f32::NAN; rows * cols];
+            let p = RmsnormParams {
+                x: addr(x.as_ptr()),
+                w: addr(w.as_ptr()),
+                out: addr(got.as_mut_ptr()),
+                rows: rows as u32,
+                cols: cols as u32,
+                eps: 1e-5,
+                pad_: 0,
+            };
+            // A grid larger than the rows: the extra blocks must leave everything alone.
+            let l = Launch { grid: rows as u32 + 1, block, wave };
+            // SAFETY: x, w and got hold rows × cols / cols values and outlive the launch.
+            unsafe { kimi_kpl_host::rmsnorm_f32(l, p) };
+            close(&got, &want, 2e-6, &format!("rmsnorm {rows}×{cols} block {block} wave {wave}"));
+        }
+    }
+}
+
+#[test]
+fn gated_rmsnorm_matches_the_cpu_backend_at_both_wave_sizes() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for wave in WAVES {
+        let (groups, dim) = (9usize, 96usize);
+        let o = randn(&mut rng, groups * dim, 2.0);
+        let gate = randn(&mut rng, groups * dim, 4.0);
+        let w = randn(&mut rng, dim, 1.0);
+        let mut want = vec![0f32; groups * dim];
+        CpuBackend.gated_rms_norm(&o, &gate, &w, 1e-6, &mut want);
+        let mut got = vec![f32::NAN; groups * dim];
+        let p = GatedRmsnormParams {
+            o: addr(o.as_ptr()),
+            gate: addr(gate.as_ptr()),
+            w: addr(w.as_ptr()),
+            out: addr(got.as_mut_ptr()),
+            groups: groups as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+            pad_: 0,
+        };
+        // SAFETY: every buffer holds groups × dim (w: dim) values and outlives the launch.
+        unsafe { kimi_kpl_host::gated_rmsnorm_f32(Launch { grid: groups as u32, block: 2 * wave, wave }, p) };
+        close(&got, &want, 1e-5, &format!("gated rmsnorm wave {wave}"));
+    }
+}
+
+#[test]
+fn situ_glu_matches_the_cpu_backend_with_and_without_the_up_cap() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for wave in WAVES {
+        for linear_beta in [Some(25.0f32), None] {
+            let n = 1000;
+            // Past ±β and ±β_lin too, where the caps bend.
+            let mut gate = randn(&mut rng, n, 40.0);
+            let up = randn(&mut rng, n, 60.0);
+            let mut want = gate.clone();
+            CpuBackend.situ_glu(&mut want, &up, Situ { beta: 4.0, linear_beta });
+            let p = SituParams {
+                gate: addr(gate.as_mut_ptr()),
+                up: addr(up.as_ptr()),
+                n: n as u32,
+                beta: 4.0,
+                linear_beta: linear_beta.unwrap_or(0.0),
+                has_linear_beta: linear_beta.is_some() as u32,
+            };
+            // A grid smaller than the values: the grid-stride loop covers the rest.
+            // SAFETY: gate and up hold n values and outlive the launch.
+            unsafe { kimi_kpl_host::situ_glu_f32(Launch { grid: 3, block: wave, wave }, p) };
+            close(&gate, &want, 2e-5, &format!("situ wave {wave} cap {linear_beta:?}"));
+        }
+    }
+}
+
+#[test]
+fn embedding_gathers_bf16_rows_like_the_cpu_backend() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (vocab, cols) = (50usize, 70usize);
+    let table: Vec<u16> = randn(&mut rng, vocab * cols, 1.0).iter().map(|v| f32_to_bf16_bits(*v)).collect();
+    let ids: Vec<u32> = vec![0, 49, 7, 7, 13];
+    let m = Matrix::Bf16(Bf16Matrix::new(&table, vocab, cols));
+    let mut want = vec![0f32; ids.len() * cols];
+    CpuBackend.embedding(&m, &ids, &mut want);
+    for wave in WAVES {
+        let mut got = vec![f32::NAN; ids.len() * cols];
+        let p = EmbeddingParams {
+            table: addr(table.as_ptr()),
+            ids: addr(ids.as_ptr()),
+            out: addr(got.as_mut_ptr()),
+            tokens: ids.len() as u32,
+            cols: cols as u32,
+        };
+        // SAFETY: the table holds vocab × cols values, every id is below vocab, got holds
+        // tokens × cols; all outlive the launch.
+        unsafe { kimi_kpl_host::embedding_bf16(Launch { grid: 2, block: 2 * wave, wave }, p) };
+        assert_eq!(got, want, "embedding wave {wave}: a gather is exact");
+    }
+}

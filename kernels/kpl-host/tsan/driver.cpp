@@ -1,0 +1,37 @@
+// Runs every kernel of kernels/ops/ once at wave 32 and once at wave 64 on small shapes, for a
+// ThreadSanitizer build (tests/tsan.rs): a missing barrier between a shared-memory write and a
+// read shows up as a data race with the source lines. Results are checked by tests/ops.rs; here
+// only the absence of races and of deadlocks counts.
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "kpl/kpl.h"
+
+extern "C" {
+void kpl_cpu_launch_kpl_rmsnorm_f32(unsigned, unsigned, unsigned, const KplRmsnormParams*);
+void kpl_cpu_launch_kpl_gated_rmsnorm_f32(unsigned, unsigned, unsigned, const KplGatedRmsnormParams*);
+void kpl_cpu_launch_kpl_situ_glu_f32(unsigned, unsigned, unsigned, const KplSituParams*);
+void kpl_cpu_launch_kpl_embedding_bf16(unsigned, unsigned, unsigned, const KplEmbeddingParams*);
+}
+
+int main() {
+    for (unsigned wave : {32u, 64u}) {
+        const unsigned rows = 3, cols = 200;
+        std::vector<float> x(rows * cols), w(cols), out(rows * cols), gate(rows * cols);
+        for (unsigned i = 0; i < x.size(); ++i) x[i] = float(i % 17) - 8.0f, gate[i] = float(i % 5) - 2.0f;
+        for (unsigned i = 0; i < cols; ++i) w[i] = 1.0f + float(i % 3);
+        KplRmsnormParams rp{x.data(), w.data(), out.data(), rows, cols, 1e-5f, 0};
+        kpl_cpu_launch_kpl_rmsnorm_f32(rows, 2 * wave, wave, &rp);
+        KplGatedRmsnormParams gp{x.data(), gate.data(), w.data(), out.data(), rows * 2, cols / 2, 1e-5f, 0};
+        kpl_cpu_launch_kpl_gated_rmsnorm_f32(rows * 2, 2 * wave, wave, &gp);
+        KplSituParams sp{gate.data(), x.data(), rows * cols, 4.0f, 25.0f, 1};
+        kpl_cpu_launch_kpl_situ_glu_f32(2, wave, wave, &sp);
+        std::vector<uint16_t> table(10 * cols, 0x3f80);
+        std::vector<uint32_t> ids{1, 9, 4};
+        KplEmbeddingParams ep{table.data(), ids.data(), out.data(), 3, cols};
+        kpl_cpu_launch_kpl_embedding_bf16(2, wave, wave, &ep);
+    }
+    std::puts("kpl ops ran at wave 32 and 64");
+    return 0;
+}

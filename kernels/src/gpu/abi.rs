@@ -1,0 +1,53 @@
+//! `#[repr(C)]` mirrors of `kernels/include/kpl/abi.h`, one per kernel entry point. Device
+//! pointers are `u64` here (a device address is not a host pointer); the host-mode build passes
+//! host addresses through the same fields. `kimi-kpl-host` checks every size against the C side.
+
+/// `kpl_rmsnorm_f32`: one block per row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RmsnormParams {
+    pub x: u64,
+    pub w: u64,
+    pub out: u64,
+    pub rows: u32,
+    pub cols: u32,
+    pub eps: f32,
+    pub pad_: u32,
+}
+
+/// `kpl_gated_rmsnorm_f32`: one block per (row, head) group of `dim` values.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GatedRmsnormParams {
+    pub o: u64,
+    pub gate: u64,
+    pub w: u64,
+    pub out: u64,
+    pub groups: u32,
+    pub dim: u32,
+    pub eps: f32,
+    pub pad_: u32,
+}
+
+/// `kpl_situ_glu_f32`: grid-stride over `n` values, in place over `gate`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SituParams {
+    pub gate: u64,
+    pub up: u64,
+    pub n: u32,
+    pub beta: f32,
+    pub linear_beta: f32,
+    pub has_linear_beta: u32,
+}
+
+/// `kpl_embedding_bf16`: grid-stride over `tokens · cols` values.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EmbeddingParams {
+    pub table: u64,
+    pub ids: u64,
+    pub out: u64,
+    pub tokens: u32,
+    pub cols: u32,
+}
