@@ -220,6 +220,9 @@ enum Command {
         /// Whole routed experts per rank (sets `expert_parallel`).
         #[arg(long)]
         expert_parallel: bool,
+        /// Where the model runs: cpu, hip, cuda or auto (sets `backend`).
+        #[arg(long)]
+        backend: Option<String>,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -396,6 +399,7 @@ fn server_state(
     model: Option<PathBuf>,
     listen: Option<String>,
     par: (Option<usize>, Option<usize>, bool, bool),
+    backend: Option<String>,
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -419,6 +423,9 @@ fn server_state(
     }
     if par.3 {
         cfg.expert_parallel = true;
+    }
+    if backend.is_some() {
+        cfg.backend = backend;
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -446,9 +453,10 @@ fn serve(
     model: Option<PathBuf>,
     listen: Option<String>,
     par: (Option<usize>, Option<usize>, bool, bool),
+    backend: Option<String>,
 ) -> Result<()> {
     use kimi_host::server::{embedded, serve};
-    let (cfg, state) = server_state(config, model, listen, par)?;
+    let (cfg, state) = server_state(config, model, listen, par, backend)?;
     let addr = cfg.listen_addr()?;
     let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
     runtime()?.block_on(async move {
@@ -465,9 +473,16 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve { config, model, listen, tensor_parallel, context_parallel, fp8_dense, expert_parallel } => {
-            serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense, expert_parallel))?
-        }
+        Command::Serve {
+            config,
+            model,
+            listen,
+            tensor_parallel,
+            context_parallel,
+            fp8_dense,
+            expert_parallel,
+            backend,
+        } => serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense, expert_parallel), backend)?,
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
@@ -584,7 +599,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None, (None, None, false, false))?;
+            let (_, state) = server_state(config, model, None, (None, None, false, false), None)?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,

@@ -47,6 +47,8 @@ pub struct ServeConfig {
     /// Place whole routed experts on the tensor-parallel ranks instead of splitting each.
     #[serde(default)]
     pub expert_parallel: bool,
+    /// Where the model runs: cpu (default), hip, cuda or auto.
+    pub backend: Option<String>,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -312,6 +314,7 @@ impl ServeConfig {
             context_parallel: None,
             fp8_dense: false,
             expert_parallel: false,
+            backend: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),
@@ -336,7 +339,15 @@ impl ServeConfig {
             .map_err(|e| ConfigError::Invalid(format!("listen: {:?} is not an address: {e}", self.listen)))
     }
 
+    /// `backend`, parsed (default: the CPU).
+    pub fn backend_kind(&self) -> Result<kimi_kernels::gpu::runtime::BackendKind, ConfigError> {
+        let name = self.backend.as_deref().unwrap_or("cpu");
+        kimi_kernels::gpu::runtime::BackendKind::parse(name)
+            .ok_or_else(|| ConfigError::Invalid(format!("backend: {name:?} is not one of cpu, hip, cuda, auto")))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.backend_kind()?;
         if let Some(n) = self.tensor_parallel
             && !(1..=64).contains(&n)
         {

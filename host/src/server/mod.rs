@@ -72,12 +72,21 @@ pub enum ServeError {
     Tenant(#[from] tenants::TenantError),
     #[error(transparent)]
     Embedded(#[from] embedded::EmbeddedModelError),
+    #[error(transparent)]
+    Backend(#[from] kimi_kernels::gpu::runtime::DeviceError),
 }
 
 impl AppState {
     /// Loads the model, tokenizer, plugins and tenants and starts the engine.
     pub fn build(cfg: &ServeConfig, model_dir: &std::path::Path) -> Result<AppState, ServeError> {
         cfg.validate()?;
+        // The backend first: a GPU asked for and not there is a start-up error, before any load.
+        let kind = cfg.backend_kind()?;
+        let mut notes = Vec::new();
+        kimi_kernels::gpu::runtime::resolve(kind, &mut notes)?;
+        for n in notes {
+            tracing::info!(backend = "auto", "{n}");
+        }
         let model = Arc::new(
             Model::load_as(
                 model_dir,

@@ -7,3 +7,4 @@
 
 pub mod abi;
 pub mod manifest;
+pub mod runtime;

@@ -295,3 +295,17 @@ fn render_command_matches_the_vendor_verifier_ground_truth() {
         .expect("run");
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("required"));
 }
+
+#[test]
+fn a_gpu_backend_without_a_gpu_is_a_clear_start_up_error() {
+    // CI machines have no ROCm or CUDA: the message names the libraries looked for. (On a GPU
+    // machine it names the one found and says the backend cannot run the model yet.)
+    for (backend, lib) in [("hip", "libamdhip64"), ("cuda", "libcuda.so")] {
+        let out = bin().args(["serve", "--backend", backend, "--listen", "127.0.0.1:0"]).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--backend {backend} without a GPU must not start");
+        assert!(err.contains(lib) && err.contains("--backend cpu"), "{backend}: {err}");
+    }
+    let out = bin().args(["serve", "--backend", "tpu"]).output().expect("run");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cpu, hip, cuda, auto"));
+}
