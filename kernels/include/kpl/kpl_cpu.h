@@ -6,6 +6,8 @@
 
 #include <barrier>
 #include <cmath>
+#include <condition_variable>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -43,6 +45,56 @@ inline float shfl_xor(float v, unsigned mask) {
     return r;
 }
 
+// The block's threads, kept from launch to launch (creating a thread per GPU thread per launch
+// costs more than most test kernels): worker i runs the current job's thread i, if it has one.
+class Workers {
+  public:
+    // Runs job(0..n) on n threads and waits for all of them.
+    void run(unsigned n, const std::function<void(unsigned)>& job) {
+        std::unique_lock<std::mutex> lock(m_);
+        while (threads_.size() < n) {
+            unsigned i = (unsigned)threads_.size();
+            threads_.emplace_back([this, i] { loop(i); });
+            threads_.back().detach();
+        }
+        job_ = &job;
+        active_ = n;
+        done_ = 0;
+        ++generation_;
+        start_.notify_all();
+        finished_.wait(lock, [this] { return done_ == active_; });
+        job_ = nullptr;
+    }
+
+  private:
+    void loop(unsigned i) {
+        unsigned seen = 0;
+        std::unique_lock<std::mutex> lock(m_);
+        for (;;) {
+            start_.wait(lock, [&] { return generation_ != seen; });
+            seen = generation_;
+            if (i >= active_) continue;
+            const std::function<void(unsigned)>* job = job_;
+            lock.unlock();
+            (*job)(i);
+            lock.lock();
+            if (++done_ == active_) finished_.notify_one();
+        }
+    }
+
+    std::mutex m_;
+    std::condition_variable start_, finished_;
+    std::vector<std::thread> threads_;
+    const std::function<void(unsigned)>* job_ = nullptr;
+    unsigned active_ = 0, done_ = 0, generation_ = 0;
+};
+
+inline Workers& workers() {
+    // Never destroyed: detached workers wait on it until the process ends.
+    static Workers* w = new Workers();
+    return *w;
+}
+
 // Runs `body` as `grid` blocks of `block` threads, waves of `wave` lanes. Returns false (and
 // runs nothing) for a shape the model cannot run: a block that is not whole waves.
 template <class F>
@@ -53,19 +105,15 @@ bool launch(unsigned grid, unsigned block, unsigned wave, F body) {
     std::vector<std::unique_ptr<std::barrier<>>> wave_bars;
     for (unsigned w = 0; w < block / wave; ++w) wave_bars.push_back(std::make_unique<std::barrier<>>(wave));
     std::vector<float> xchg(block);
-    std::vector<std::thread> threads;
-    threads.reserve(block);
-    for (unsigned t = 0; t < block; ++t) {
-        threads.emplace_back([&, t] {
-            for (unsigned b = 0; b < grid; ++b) {
-                ctx = Ctx{t, b, block, grid, wave, &block_bar, &wave_bars, &xchg};
-                body();
-                // No thread starts block b + 1 while another is still in block b.
-                block_bar.arrive_and_wait();
-            }
-        });
-    }
-    for (auto& th : threads) th.join();
+    std::function<void(unsigned)> thread = [&](unsigned t) {
+        for (unsigned b = 0; b < grid; ++b) {
+            ctx = Ctx{t, b, block, grid, wave, &block_bar, &wave_bars, &xchg};
+            body();
+            // No thread starts block b + 1 while another is still in block b.
+            block_bar.arrive_and_wait();
+        }
+    };
+    workers().run(block, thread);
     return true;
 }
 

@@ -75,3 +75,217 @@ launcher!(embedding_bf16, kpl_cpu_launch_kpl_embedding_bf16, EmbeddingParams, "`
 pub fn addr<T>(p: *const T) -> u64 {
     p as usize as u64
 }
+
+/// A [`Backend`] whose ops with a kernel in `kernels/ops/` run that kernel on the host (through
+/// kpl's CPU runtime, at the given wave size) and whose other ops are the CPU backend's: the
+/// goldens run through it end to end, so the kernels are checked inside the real model.
+pub struct KplHostBackend {
+    pub wave: u32,
+    cpu: kimi_kernels::CpuBackend,
+}
+
+impl KplHostBackend {
+    pub fn new(wave: u32) -> KplHostBackend {
+        KplHostBackend { wave, cpu: kimi_kernels::CpuBackend }
+    }
+
+    /// Blocks for a grid-stride kernel over `n` values: enough to cover them, at most 8.
+    fn stride_grid(&self, n: usize) -> u32 {
+        (n.div_ceil(self.wave as usize) as u32).clamp(1, 8)
+    }
+}
+
+use kimi_kernels::{
+    Backend, ExpertMatrices, KdaInputs, KdaParams, Matrix, PackedMatrix, PagedRows, RouterParams, Routing, Selection,
+    SeqSpan, SituParams as Situ,
+};
+
+impl Backend for KplHostBackend {
+    fn describe(&self) -> String {
+        format!("kpl host kernels (wave {}) over {}", self.wave, self.cpu.describe())
+    }
+
+    fn prepare_matrix(&self, w: &Matrix<'_>) -> Option<PackedMatrix> {
+        self.cpu.prepare_matrix(w)
+    }
+
+    fn matmul(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]) {
+        self.cpu.matmul(w, x, tokens, out)
+    }
+
+    fn matmul_transposed(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]) {
+        self.cpu.matmul_transposed(w, x, tokens, out)
+    }
+
+    fn embedding(&self, table: &Matrix<'_>, ids: &[u32], out: &mut [f32]) {
+        let Matrix::Bf16(t) = table else { return self.cpu.embedding(table, ids, out) };
+        assert_eq!(out.len(), ids.len() * t.cols, "embedding: out has {} values", out.len());
+        assert!(ids.iter().all(|&i| (i as usize) < t.rows), "embedding: an id past the table");
+        let p = EmbeddingParams {
+            table: addr(t.data.as_ptr()),
+            ids: addr(ids.as_ptr()),
+            out: addr(out.as_mut_ptr()),
+            tokens: ids.len() as u32,
+            cols: t.cols as u32,
+        };
+        let l = Launch { grid: self.stride_grid(out.len()), block: self.wave, wave: self.wave };
+        // SAFETY: the table holds rows × cols values and every id is below rows (checked); out
+        // holds tokens × cols (checked); all outlive the launch.
+        unsafe { embedding_bf16(l, p) }
+    }
+
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        let cols = w.len();
+        assert!(x.len() == out.len() && cols > 0 && x.len().is_multiple_of(cols), "rms_norm: shapes");
+        let rows = x.len() / cols;
+        let p = RmsnormParams {
+            x: addr(x.as_ptr()),
+            w: addr(w.as_ptr()),
+            out: addr(out.as_mut_ptr()),
+            rows: rows as u32,
+            cols: cols as u32,
+            eps,
+            pad_: 0,
+        };
+        // SAFETY: x and out hold rows × cols values, w cols (checked); all outlive the launch.
+        unsafe { rmsnorm_f32(Launch { grid: rows as u32, block: self.wave, wave: self.wave }, p) }
+    }
+
+    fn layer_norm(&self, x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+        self.cpu.layer_norm(x, w, b, eps, out)
+    }
+
+    fn add(&self, acc: &mut [f32], x: &[f32]) {
+        self.cpu.add(acc, x)
+    }
+
+    fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
+        self.cpu.sigmoid_mul(x, gate)
+    }
+
+    fn situ_glu(&self, gate: &mut [f32], up: &[f32], act: Situ) {
+        assert_eq!(gate.len(), up.len(), "situ_glu: shapes");
+        let p = SituParams {
+            gate: addr(gate.as_mut_ptr()),
+            up: addr(up.as_ptr()),
+            n: gate.len() as u32,
+            beta: act.beta,
+            linear_beta: act.linear_beta.unwrap_or(0.0),
+            has_linear_beta: act.linear_beta.is_some() as u32,
+        };
+        let l = Launch { grid: self.stride_grid(gate.len()), block: self.wave, wave: self.wave };
+        // SAFETY: gate and up hold n values (checked) and outlive the launch.
+        unsafe { situ_glu_f32(l, p) }
+    }
+
+    fn attn_res_mix(&self, query: &[f32], eps: f32, cands: &[&[f32]], out: &mut [f32]) {
+        self.cpu.attn_res_mix(query, eps, cands, out)
+    }
+
+    fn kda_conv(&self, x: &mut [f32], spans: &[SeqSpan], frames: &mut [&mut [f32]], taps: &[f32], kernel: usize) {
+        self.cpu.kda_conv(x, spans, frames, taps, kernel)
+    }
+
+    fn kda_recurrence(
+        &self,
+        p: &KdaParams<'_>,
+        x: &KdaInputs<'_>,
+        spans: &[SeqSpan],
+        slots: &mut [&mut [f32]],
+        out: &mut [f32],
+    ) {
+        self.cpu.kda_recurrence(p, x, spans, slots, out)
+    }
+
+    fn gated_rms_norm(&self, o: &[f32], gate: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        let dim = w.len();
+        assert!(o.len() == gate.len() && o.len() == out.len() && dim > 0 && o.len().is_multiple_of(dim), "gated_rms_norm");
+        let groups = o.len() / dim;
+        let p = GatedRmsnormParams {
+            o: addr(o.as_ptr()),
+            gate: addr(gate.as_ptr()),
+            w: addr(w.as_ptr()),
+            out: addr(out.as_mut_ptr()),
+            groups: groups as u32,
+            dim: dim as u32,
+            eps,
+            pad_: 0,
+        };
+        // SAFETY: o, gate and out hold groups × dim values, w dim (checked); all outlive the launch.
+        unsafe { gated_rmsnorm_f32(Launch { grid: groups as u32, block: self.wave, wave: self.wave }, p) }
+    }
+
+    fn mla_absorb(
+        &self,
+        w_kv: &Matrix<'_>,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+        tokens: usize,
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        self.cpu.mla_absorb(w_kv, heads, nope, v_dim, tokens, q, out)
+    }
+
+    fn mla_lift(
+        &self,
+        w_kv: &Matrix<'_>,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+        tokens: usize,
+        ctx: &[f32],
+        out: &mut [f32],
+    ) {
+        self.cpu.mla_lift(w_kv, heads, nope, v_dim, tokens, ctx, out)
+    }
+
+    fn mla_attention(
+        &self,
+        q: &[f32],
+        heads: usize,
+        rank: usize,
+        scale: f32,
+        rows: &[(usize, usize)],
+        caches: &[PagedRows<'_>],
+        selected: Option<&[Selection]>,
+        ctx: &mut [f32],
+        lse: Option<&mut [f32]>,
+    ) {
+        self.cpu.mla_attention(q, heads, rank, scale, rows, caches, selected, ctx, lse)
+    }
+
+    fn attention_merge(&self, parts: &[&[f32]], lses: &[&[f32]], width: usize, out: &mut [f32]) {
+        self.cpu.attention_merge(parts, lses, width, out)
+    }
+
+    fn indexer_topk(
+        &self,
+        q: &[f32],
+        w: &[f32],
+        heads: usize,
+        scale: f32,
+        topk: usize,
+        rows: &[(usize, usize)],
+        keys: &[PagedRows<'_>],
+    ) -> Vec<Selection> {
+        self.cpu.indexer_topk(q, w, heads, scale, topk, rows, keys)
+    }
+
+    fn moe_route(&self, logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing {
+        self.cpu.moe_route(logits, tokens, p)
+    }
+
+    fn moe_experts(
+        &self,
+        experts: &[ExpertMatrices<'_>],
+        first: usize,
+        routing: &Routing,
+        z: &[f32],
+        act: Situ,
+        out: &mut [f32],
+    ) {
+        self.cpu.moe_experts(experts, first, routing, z, act, out)
+    }
+}

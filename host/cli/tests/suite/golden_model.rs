@@ -82,8 +82,17 @@ fn lens(g: &Golden, prefix: &str, suffix: &str) -> Vec<usize> {
 }
 
 fn check_case(name: &str) {
+    check_case_on(name, None);
+}
+
+/// Every golden tensor of `name`, with the model's ops on `backend` (default: the CPU backend).
+fn check_case_on(name: &str, backend: Option<std::sync::Arc<dyn kimi_kernels::Backend>>) {
     let g = Golden::open(name);
-    let model = Model::load(&g.dir).expect("golden model loads");
+    let mut model = Model::load(&g.dir).expect("golden model loads");
+    if let Some(be) = backend {
+        eprintln!("{name} on {}", be.describe());
+        model = model.with_backend(be);
+    }
     let cfg = model.text_config().clone();
     let (v, tol_l, tol_s) = (cfg.vocab_size, g.tol_logits(), g.tol_state());
     let mut ck = Checker { g: &g, checked: BTreeSet::new(), worst_logits: 0.0, worst_state: 0.0 };
@@ -226,4 +235,16 @@ fn k3_tiny_mxfp4_matches_release() {
 #[test]
 fn k31_tiny_indexer_matches_release() {
     check_case("k31-tiny-indexer");
+}
+
+/// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model:
+/// every golden of a case with their ops on them — RMSNorm, KDA's gated norm, SiTU and the
+/// embedding — at AMD's wave 64 (K3.1 with the indexer) and NVIDIA's wave 32 (MXFP4 experts).
+/// (Each GPU thread is an OS thread here, so a case takes tens of seconds; the op suite in
+/// `kernels/kpl-host` covers every kernel at both waves.)
+#[test]
+fn goldens_pass_through_the_host_built_gpu_kernels() {
+    use kimi_kpl_host::KplHostBackend;
+    check_case_on("k31-tiny-indexer", Some(std::sync::Arc::new(KplHostBackend::new(64))));
+    check_case_on("k3-tiny-mxfp4", Some(std::sync::Arc::new(KplHostBackend::new(32))));
 }
