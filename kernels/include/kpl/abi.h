@@ -46,3 +46,27 @@ typedef struct {
     uint32_t tokens;
     uint32_t cols;
 } KplEmbeddingParams;
+
+// kpl_kda_decode_f32: one KDA recurrent step for `seqs` sequences of one token each (decode),
+// one block per (sequence, head). Row s of q/k/v/z is sequence s's token (`[seqs, heads·dim]`),
+// beta_logits `[seqs, heads]`; slots[s] is sequence s's recurrent state `[heads, dim, dim]`
+// (key-major), read and updated in place through the slot table; out `[seqs, heads·dim]`.
+// q and k are L2-normalised here (q then scaled by q_scale), gates g = lower_bound ·
+// σ(a_exp[h] · (z + dt_bias)), decay e^g, β = σ(beta_logit). head_dim ≤ 256.
+typedef struct {
+    const float* q;
+    const float* k;
+    const float* v;
+    const float* z;
+    const float* beta_logits;
+    const float* a_exp;
+    const float* dt_bias;
+    float* const* slots;
+    float* out;
+    uint32_t seqs;
+    uint32_t heads;
+    uint32_t dim;
+    float lower_bound;
+    float q_scale;
+    uint32_t pad_;
+} KplKdaDecodeParams;

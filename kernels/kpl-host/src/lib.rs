@@ -5,13 +5,15 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
 
 unsafe extern "C" {
     fn kpl_cpu_launch_kpl_rmsnorm_f32(grid: u32, block: u32, wave: u32, p: *const RmsnormParams);
     fn kpl_cpu_launch_kpl_gated_rmsnorm_f32(grid: u32, block: u32, wave: u32, p: *const GatedRmsnormParams);
     fn kpl_cpu_launch_kpl_situ_glu_f32(grid: u32, block: u32, wave: u32, p: *const SituParams);
     fn kpl_cpu_launch_kpl_embedding_bf16(grid: u32, block: u32, wave: u32, p: *const EmbeddingParams);
+    fn kpl_cpu_launch_kpl_kda_decode_f32(grid: u32, block: u32, wave: u32, p: *const KdaDecodeParams);
+    pub fn kpl_abi_size_kpl_kda_decode_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rmsnorm_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_gated_rmsnorm_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_situ_glu_f32() -> std::ffi::c_ulong;
@@ -70,6 +72,7 @@ launcher!(
 );
 launcher!(situ_glu_f32, kpl_cpu_launch_kpl_situ_glu_f32, SituParams, "`kpl_situ_glu_f32` on the host.");
 launcher!(embedding_bf16, kpl_cpu_launch_kpl_embedding_bf16, EmbeddingParams, "`kpl_embedding_bf16` on the host.");
+launcher!(kda_decode_f32, kpl_cpu_launch_kpl_kda_decode_f32, KdaDecodeParams, "`kpl_kda_decode_f32` on the host.");
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {
@@ -194,12 +197,53 @@ impl Backend for KplHostBackend {
         slots: &mut [&mut [f32]],
         out: &mut [f32],
     ) {
-        self.cpu.kda_recurrence(p, x, spans, slots, out)
+        // The decode kernel takes one token a sequence; prefill chunks stay on the CPU backend.
+        let (h, n) = (p.heads, p.head_dim);
+        let decode = !spans.is_empty() && spans.iter().enumerate().all(|(i, s)| s.len == 1 && s.start == i);
+        if !decode || n > 256 || slots.iter().any(|s| s.len() < h * n * n) {
+            return self.cpu.kda_recurrence(p, x, spans, slots, out);
+        }
+        let seqs = spans.len();
+        let width = h * n;
+        assert!(
+            [x.q, x.k, x.v, x.z].iter().all(|a| a.len() >= seqs * width)
+                && x.beta_logits.len() >= seqs * h
+                && out.len() >= seqs * width
+                && p.a_exp.len() >= h
+                && p.dt_bias.len() >= width,
+            "kda_recurrence: shapes"
+        );
+        let table: Vec<u64> = slots.iter_mut().map(|s| addr(s.as_mut_ptr())).collect();
+        let params = KdaDecodeParams {
+            q: addr(x.q.as_ptr()),
+            k: addr(x.k.as_ptr()),
+            v: addr(x.v.as_ptr()),
+            z: addr(x.z.as_ptr()),
+            beta_logits: addr(x.beta_logits.as_ptr()),
+            a_exp: addr(p.a_exp.as_ptr()),
+            dt_bias: addr(p.dt_bias.as_ptr()),
+            slots: addr(table.as_ptr()),
+            out: addr(out.as_mut_ptr()),
+            seqs: seqs as u32,
+            heads: h as u32,
+            dim: n as u32,
+            lower_bound: p.lower_bound,
+            q_scale: 1.0 / (n as f32).sqrt(),
+            pad_: 0,
+        };
+        let l = Launch { grid: (seqs * h) as u32, block: self.wave, wave: self.wave };
+        // SAFETY: every input holds seqs rows (checked), every slot heads × dim × dim values
+        // (checked), the table one address per sequence; all outlive the launch, and each
+        // sequence's slot is its own (`&mut`), so blocks never share state.
+        unsafe { kda_decode_f32(l, params) }
     }
 
     fn gated_rms_norm(&self, o: &[f32], gate: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         let dim = w.len();
-        assert!(o.len() == gate.len() && o.len() == out.len() && dim > 0 && o.len().is_multiple_of(dim), "gated_rms_norm");
+        assert!(
+            o.len() == gate.len() && o.len() == out.len() && dim > 0 && o.len().is_multiple_of(dim),
+            "gated_rms_norm"
+        );
         let groups = o.len() / dim;
         let p = GatedRmsnormParams {
             o: addr(o.as_ptr()),

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
 use kimi_kernels::gpu::manifest::Manifest;
 
 fn root() -> PathBuf {
@@ -34,6 +34,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_gated_rmsnorm_f32", size_of::<GatedRmsnormParams>()),
         ("kpl_situ_glu_f32", size_of::<SituParams>()),
         ("kpl_embedding_bf16", size_of::<EmbeddingParams>()),
+        ("kpl_kda_decode_f32", size_of::<KdaDecodeParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

@@ -3,7 +3,7 @@
 //! single-wave block and a 32-wave one).
 
 use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
 use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
 use kimi_kpl_host::{Launch, addr};
 use rand::rngs::StdRng;
@@ -33,6 +33,7 @@ fn parameter_structs_match_abi_h() {
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_gated_rmsnorm_f32() as usize, size_of::<GatedRmsnormParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_situ_glu_f32() as usize, size_of::<SituParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_embedding_bf16() as usize, size_of::<EmbeddingParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_decode_f32() as usize, size_of::<KdaDecodeParams>());
     }
 }
 
@@ -141,5 +142,46 @@ fn embedding_gathers_bf16_rows_like_the_cpu_backend() {
         // tokens × cols; all outlive the launch.
         unsafe { kimi_kpl_host::embedding_bf16(Launch { grid: 2, block: 2 * wave, wave }, p) };
         assert_eq!(got, want, "embedding wave {wave}: a gather is exact");
+    }
+}
+
+#[test]
+fn kda_decode_updates_each_slot_like_the_cpu_backend() {
+    use kimi_kernels::{KdaInputs, KdaParams, SeqSpan};
+    use kimi_kpl_host::KplHostBackend;
+    let mut rng = StdRng::seed_from_u64(5);
+    // Three sequences decoding one token each; head_dim 40 (not a multiple of the wave).
+    let (seqs, heads, dim) = (3usize, 2usize, 40usize);
+    let width = heads * dim;
+    let (q, k, v, z) = (
+        randn(&mut rng, seqs * width, 2.0),
+        randn(&mut rng, seqs * width, 2.0),
+        randn(&mut rng, seqs * width, 2.0),
+        randn(&mut rng, seqs * width, 2.0),
+    );
+    let beta_logits = randn(&mut rng, seqs * heads, 3.0);
+    let a_exp: Vec<f32> = (0..heads).map(|i| 1.0 + i as f32).collect();
+    let dt_bias = randn(&mut rng, width, 0.5);
+    let p = KdaParams { heads, head_dim: dim, a_exp: &a_exp, dt_bias: &dt_bias, lower_bound: -5.0 };
+    let x = KdaInputs { q: &q, k: &k, v: &v, z: &z, beta_logits: &beta_logits };
+    let spans: Vec<SeqSpan> = (0..seqs).map(|i| SeqSpan { start: i, len: 1, pos: 5 + i }).collect();
+    let states: Vec<Vec<f32>> = (0..seqs).map(|_| randn(&mut rng, heads * dim * dim, 1.0)).collect();
+    let mut want_states = states.clone();
+    let mut want = vec![0f32; seqs * width];
+    {
+        let mut slots: Vec<&mut [f32]> = want_states.iter_mut().map(|s| s.as_mut_slice()).collect();
+        CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
+    }
+    for wave in WAVES {
+        let mut got_states = states.clone();
+        let mut got = vec![f32::NAN; seqs * width];
+        {
+            let mut slots: Vec<&mut [f32]> = got_states.iter_mut().map(|s| s.as_mut_slice()).collect();
+            KplHostBackend::new(wave).kda_recurrence(&p, &x, &spans, &mut slots, &mut got);
+        }
+        close(&got, &want, 1e-5, &format!("kda decode output, wave {wave}"));
+        for (g, w) in got_states.iter().zip(&want_states) {
+            close(g, w, 1e-5, &format!("kda decode state, wave {wave}"));
+        }
     }
 }

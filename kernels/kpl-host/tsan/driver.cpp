@@ -13,6 +13,7 @@ void kpl_cpu_launch_kpl_rmsnorm_f32(unsigned, unsigned, unsigned, const KplRmsno
 void kpl_cpu_launch_kpl_gated_rmsnorm_f32(unsigned, unsigned, unsigned, const KplGatedRmsnormParams*);
 void kpl_cpu_launch_kpl_situ_glu_f32(unsigned, unsigned, unsigned, const KplSituParams*);
 void kpl_cpu_launch_kpl_embedding_bf16(unsigned, unsigned, unsigned, const KplEmbeddingParams*);
+void kpl_cpu_launch_kpl_kda_decode_f32(unsigned, unsigned, unsigned, const KplKdaDecodeParams*);
 }
 
 int main() {
@@ -31,6 +32,12 @@ int main() {
         std::vector<uint32_t> ids{1, 9, 4};
         KplEmbeddingParams ep{table.data(), ids.data(), out.data(), 3, cols};
         kpl_cpu_launch_kpl_embedding_bf16(2, wave, wave, &ep);
+        // Two sequences, two heads of 40: x rows double as q, k, v and z.
+        std::vector<float> s0(2 * 40 * 40, 0.1f), s1(2 * 40 * 40, -0.1f), a{1.0f, 2.0f}, dt(80, 0.0f), o(160);
+        float* slots[2] = {s0.data(), s1.data()};
+        KplKdaDecodeParams kp{x.data(), x.data(), x.data(), x.data(), gate.data(), a.data(), dt.data(), slots,
+                              o.data(), 2, 2, 40, -5.0f, 0.158f, 0};
+        kpl_cpu_launch_kpl_kda_decode_f32(4, wave, wave, &kp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

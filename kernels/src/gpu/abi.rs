@@ -51,3 +51,25 @@ pub struct EmbeddingParams {
     pub tokens: u32,
     pub cols: u32,
 }
+
+/// `kpl_kda_decode_f32`: one block per (sequence, head); `slots` is a device array of each
+/// sequence's state address (the slot table).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KdaDecodeParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub z: u64,
+    pub beta_logits: u64,
+    pub a_exp: u64,
+    pub dt_bias: u64,
+    pub slots: u64,
+    pub out: u64,
+    pub seqs: u32,
+    pub heads: u32,
+    pub dim: u32,
+    pub lower_bound: f32,
+    pub q_scale: f32,
+    pub pad_: u32,
+}
