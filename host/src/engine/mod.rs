@@ -174,6 +174,8 @@ pub enum EngineStartError {
     Thread(std::io::Error),
     #[error("state memory: {0}")]
     StateMemory(crate::model::ModelError),
+    #[error("the start-up step that sizes the step buffers failed: {0}")]
+    WarmUp(crate::model::ModelError),
 }
 
 /// Live counters, read by `/metrics` and tests.
@@ -272,6 +274,8 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         // The state arenas: as many KDA slots and latent pages as the pool can grant, set aside now.
         let arenas = model.state_arenas(pool.total_slots, pool.total_pages).map_err(EngineStartError::StateMemory)?;
+        // The step buffers, sized now for the largest step the budget allows.
+        model.warm_up(config.max_batched_tokens, config.max_seqs).map_err(EngineStartError::WarmUp)?;
         let worker = step::Worker::new(model, config.clone(), pool, stats.clone(), arenas);
         let thread = std::thread::Builder::new()
             .name("kimi-engine".into())

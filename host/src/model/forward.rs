@@ -418,6 +418,28 @@ impl Model {
         }
     }
 
+    /// Sizes the step buffers at start-up (as vLLM's profile run does): one step of `max_tokens`
+    /// tokens over `max_seqs` throwaway sequences — one prefilling, the others decoding their
+    /// first token, every one wanting logits — takes the largest buffers a step of that budget
+    /// needs, so serving then allocates none of its own. Returns the buffers the pool holds.
+    pub fn warm_up(&self, max_tokens: usize, max_seqs: usize) -> Result<usize, ModelError> {
+        let seqs = max_seqs.clamp(1, max_tokens.max(1));
+        let prefill = max_tokens.max(1) - (seqs - 1);
+        let ids: Vec<u32> = (0..prefill).map(|i| (i % self.config.text.vocab_size) as u32).collect();
+        let mut states: Vec<SequenceState> = (0..seqs).map(|_| self.new_state()).collect();
+        let mut batch: Vec<SeqInput<'_>> = states
+            .iter_mut()
+            .enumerate()
+            .map(|(i, state)| SeqInput {
+                ids: if i == 0 { &ids } else { &ids[..1] },
+                state,
+                logits: LogitsFor::LastToken,
+            })
+            .collect();
+        self.forward_batch(&mut batch, None)?;
+        Ok(self.scratch().created())
+    }
+
     /// One sequence as a batch of one: runs `ids` as its next tokens (a prefill when the state is
     /// fresh, a decode step for one id) and returns logits, `[tokens or 1, V]`.
     pub fn forward(

@@ -331,3 +331,24 @@ fn state_memory_the_machine_cannot_give_is_a_start_up_error() {
         Ok(_) => panic!("an engine started with 2^60 bytes of state memory"),
     }
 }
+
+#[test]
+fn serving_after_start_up_allocates_no_step_buffers() {
+    // The engine's start-up step sizes the step buffers for its budget; mixed prefill chunks and
+    // decode steps within that budget then take every buffer from the pool.
+    let f = fixture();
+    let cfg = EngineConfig { max_batched_tokens: 48, max_seqs: 6, state_memory: 64 << 20, ..Default::default() };
+    let engine = Engine::start(f.model.clone(), cfg).expect("engine");
+    let sized = f.model.scratch().created();
+    assert!(sized > 0, "start-up filled the pool");
+    let greedy = r#"{"temperature": 0}"#;
+    let mut handles: Vec<_> =
+        prompts().into_iter().map(|p| engine.submit(request(&f, p, 10, 1, greedy)).expect("submit")).collect();
+    for h in &mut handles {
+        drain(h, 1).expect("generates");
+    }
+    let mut h = engine.submit(request(&f, prompts()[1].clone(), 6, 2, greedy)).expect("submit");
+    drain(&mut h, 2).expect("generates");
+    assert_eq!(f.model.scratch().created(), sized, "serving created step buffers");
+    engine.shutdown(Duration::from_secs(5));
+}
