@@ -84,6 +84,9 @@ enum Command {
         /// Requantise attention, dense and shared-expert linears to FP8.
         #[arg(long)]
         fp8_dense: bool,
+        /// Whole routed experts per GPU (a contiguous range) instead of a slice of each.
+        #[arg(long)]
+        expert_parallel: bool,
         /// Latent cache storage: bf16, fp8 or f32.
         #[arg(long, default_value = "bf16")]
         kv_cache_dtype: String,
@@ -506,6 +509,7 @@ fn main() -> Result<()> {
             tensor_parallel,
             context_parallel,
             fp8_dense,
+            expert_parallel,
             kv_cache_dtype,
             step_tokens,
             json,
@@ -521,6 +525,7 @@ fn main() -> Result<()> {
                 tensor_parallel,
                 context_parallel,
                 fp8_dense,
+                expert_parallel,
                 cache,
                 step_tokens,
             };

@@ -231,9 +231,9 @@ impl Model {
 
     /// Runs rank `sh`'s loader against `src` (a name recorder: what that rank would map, for
     /// planning without weights), after checking that `sh.size` can split the heads.
-    pub fn record_shard(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard) -> Result<(), ModelError> {
+    pub fn record_shard(c: &TextConfig, src: &mut dyn TensorSource, sh: Shard, ep: bool) -> Result<(), ModelError> {
         rank_config(c, sh.size)?;
-        Model::build_rank(c, src, sh, false, ThreadComm::group(1).remove(0)).map(drop)
+        Model::build_rank(c, src, sh, ep, ThreadComm::group(1).remove(0)).map(drop)
     }
 
     /// Rank `sh`'s part of every weight: vocabulary rows of the embedding and LM head, and each

@@ -60,6 +60,8 @@ pub struct PlanRequest {
     pub context_parallel: usize,
     /// Attention, dense and shared-expert linears requantised to FP8 (ATOM's `ptpc_fp8`).
     pub fp8_dense: bool,
+    /// Whole routed experts per GPU instead of a slice of every expert.
+    pub expert_parallel: bool,
     pub cache: CacheDtype,
     /// Tokens of the largest step (a prefill chunk), for the activation estimate.
     pub step_tokens: usize,
@@ -170,7 +172,7 @@ pub fn plan(c: &TextConfig, packed: impl Fn(&str) -> bool, req: &PlanRequest) ->
 
     // Weights: what rank 0 maps (the larger part of every uneven split).
     let mut rec = NameRecorder::new(&packed);
-    Model::record_shard(c, &mut rec, Shard { rank: 0, size: tp })?;
+    Model::record_shard(c, &mut rec, Shard { rank: 0, size: tp }, req.expert_parallel)?;
     let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for t in &rec.tensors {
         let bytes = if req.fp8_dense && fp8_dense_target(&t.name) {

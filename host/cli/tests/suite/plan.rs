@@ -20,6 +20,7 @@ fn request(gpus: usize, memory_gb: u64, fp8: bool) -> PlanRequest {
         tensor_parallel: None,
         context_parallel: 1,
         fp8_dense: fp8,
+        expert_parallel: false,
         cache: CacheDtype::Bf16,
         step_tokens: 8192,
     }
@@ -64,6 +65,11 @@ fn release_plan_terms_match_the_config_and_the_spec() {
     for kind in ["routed_experts", "embedding", "lm_head"] {
         assert_eq!(p.weight_bytes_by_kind[kind], bf16.weight_bytes_by_kind[kind], "{kind} unchanged");
     }
+    // Expert parallelism: 112 whole experts a GPU hold the same bytes as a slice of every expert.
+    let mut ep = request(8, 288, true);
+    ep.expert_parallel = true;
+    let ep = plan_dir(&release(), &ep).expect("EP 8");
+    assert_eq!(ep.weight_bytes_by_kind["routed_experts"], p.weight_bytes_by_kind["routed_experts"]);
     // Context parallelism: the tensor-parallel ranks split the (otherwise replicated) cache by
     // tokens, so a 1 M-token request takes an eighth of the cache on each GPU at CP 8.
     let mut cp = request(8, 288, true);
