@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use kimi_kernels::cpu::fp8::E4M3_MAX;
 use kimi_kernels::{Backend, Bf16Matrix, F32Matrix, Fp8Matrix, Matrix, Mxfp4Matrix, PackedMatrix, f32_to_e4m3};
 
 use super::checkpoint::{Checkpoint, Dtype, TensorBytes};
@@ -217,7 +218,7 @@ impl<'a> CheckpointSource<'a> {
         for r in rr {
             w.row_to_f32(r, &mut row);
             let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let s = if m > 0.0 && m.is_finite() { m / 448.0 } else { 1.0 };
+            let s = if m > 0.0 && m.is_finite() { m / E4M3_MAX } else { 1.0 };
             codes.extend(row[cc.clone()].iter().map(|v| f32_to_e4m3(v / s)));
             scales.push(s);
         }

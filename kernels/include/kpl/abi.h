@@ -70,3 +70,16 @@ typedef struct {
     float q_scale;
     uint32_t pad_;
 } KplKdaDecodeParams;
+
+// kpl_attn_res_mix_f32: AttnRes (spec §2.3) per token t: a softmax over the candidates of
+// query · c_i[t] / rms(c_i[t]), then Σ_i softmax_i · c_i[t]. `cands` is a table of n_cands
+// (≤ 32) device addresses of `[tokens, dim]` blocks; one block per token.
+typedef struct {
+    const float* query;
+    const float* const* cands;
+    float* out;
+    uint32_t tokens;
+    uint32_t dim;
+    uint32_t n_cands;
+    float eps;
+} KplAttnResParams;

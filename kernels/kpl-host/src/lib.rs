@@ -5,7 +5,9 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+};
 
 unsafe extern "C" {
     fn kpl_cpu_launch_kpl_rmsnorm_f32(grid: u32, block: u32, wave: u32, p: *const RmsnormParams);
@@ -13,6 +15,8 @@ unsafe extern "C" {
     fn kpl_cpu_launch_kpl_situ_glu_f32(grid: u32, block: u32, wave: u32, p: *const SituParams);
     fn kpl_cpu_launch_kpl_embedding_bf16(grid: u32, block: u32, wave: u32, p: *const EmbeddingParams);
     fn kpl_cpu_launch_kpl_kda_decode_f32(grid: u32, block: u32, wave: u32, p: *const KdaDecodeParams);
+    fn kpl_cpu_launch_kpl_attn_res_mix_f32(grid: u32, block: u32, wave: u32, p: *const AttnResParams);
+    pub fn kpl_abi_size_kpl_attn_res_mix_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_kda_decode_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rmsnorm_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_gated_rmsnorm_f32() -> std::ffi::c_ulong;
@@ -73,6 +77,7 @@ launcher!(
 launcher!(situ_glu_f32, kpl_cpu_launch_kpl_situ_glu_f32, SituParams, "`kpl_situ_glu_f32` on the host.");
 launcher!(embedding_bf16, kpl_cpu_launch_kpl_embedding_bf16, EmbeddingParams, "`kpl_embedding_bf16` on the host.");
 launcher!(kda_decode_f32, kpl_cpu_launch_kpl_kda_decode_f32, KdaDecodeParams, "`kpl_kda_decode_f32` on the host.");
+launcher!(attn_res_mix_f32, kpl_cpu_launch_kpl_attn_res_mix_f32, AttnResParams, "`kpl_attn_res_mix_f32` on the host.");
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {
@@ -182,7 +187,25 @@ impl Backend for KplHostBackend {
     }
 
     fn attn_res_mix(&self, query: &[f32], eps: f32, cands: &[&[f32]], out: &mut [f32]) {
-        self.cpu.attn_res_mix(query, eps, cands, out)
+        let dim = query.len();
+        if cands.is_empty() || cands.len() > 32 || dim == 0 {
+            return self.cpu.attn_res_mix(query, eps, cands, out);
+        }
+        assert!(out.len().is_multiple_of(dim) && cands.iter().all(|c| c.len() == out.len()), "attn_res_mix: shapes");
+        let tokens = out.len() / dim;
+        let table: Vec<u64> = cands.iter().map(|c| addr(c.as_ptr())).collect();
+        let p = AttnResParams {
+            query: addr(query.as_ptr()),
+            cands: addr(table.as_ptr()),
+            out: addr(out.as_mut_ptr()),
+            tokens: tokens as u32,
+            dim: dim as u32,
+            n_cands: cands.len() as u32,
+            eps,
+        };
+        // SAFETY: every candidate and out hold tokens × dim values, the query dim, the table one
+        // address per candidate (checked); all outlive the launch.
+        unsafe { attn_res_mix_f32(Launch { grid: tokens as u32, block: self.wave, wave: self.wave }, p) }
     }
 
     fn kda_conv(&self, x: &mut [f32], spans: &[SeqSpan], frames: &mut [&mut [f32]], taps: &[f32], kernel: usize) {

@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+};
 use kimi_kernels::gpu::manifest::Manifest;
 
 fn root() -> PathBuf {
@@ -35,6 +37,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_situ_glu_f32", size_of::<SituParams>()),
         ("kpl_embedding_bf16", size_of::<EmbeddingParams>()),
         ("kpl_kda_decode_f32", size_of::<KdaDecodeParams>()),
+        ("kpl_attn_res_mix_f32", size_of::<AttnResParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

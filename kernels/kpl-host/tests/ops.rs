@@ -3,7 +3,9 @@
 //! single-wave block and a 32-wave one).
 
 use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
-use kimi_kernels::gpu::abi::{EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams};
+use kimi_kernels::gpu::abi::{
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+};
 use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
 use kimi_kpl_host::{Launch, addr};
 use rand::rngs::StdRng;
@@ -34,6 +36,7 @@ fn parameter_structs_match_abi_h() {
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_situ_glu_f32() as usize, size_of::<SituParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_embedding_bf16() as usize, size_of::<EmbeddingParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_decode_f32() as usize, size_of::<KdaDecodeParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_attn_res_mix_f32() as usize, size_of::<AttnResParams>());
     }
 }
 
@@ -182,6 +185,25 @@ fn kda_decode_updates_each_slot_like_the_cpu_backend() {
         close(&got, &want, 1e-5, &format!("kda decode output, wave {wave}"));
         for (g, w) in got_states.iter().zip(&want_states) {
             close(g, w, 1e-5, &format!("kda decode state, wave {wave}"));
+        }
+    }
+}
+
+#[test]
+fn attn_res_mix_matches_the_cpu_backend() {
+    use kimi_kpl_host::KplHostBackend;
+    let mut rng = StdRng::seed_from_u64(6);
+    let (tokens, dim) = (5usize, 130usize);
+    for n in [1usize, 3, 9] {
+        let cands: Vec<Vec<f32>> = (0..n).map(|i| randn(&mut rng, tokens * dim, 1.0 + i as f32)).collect();
+        let refs: Vec<&[f32]> = cands.iter().map(|c| c.as_slice()).collect();
+        let query = randn(&mut rng, dim, 0.2);
+        let mut want = vec![0f32; tokens * dim];
+        CpuBackend.attn_res_mix(&query, 1e-6, &refs, &mut want);
+        for wave in WAVES {
+            let mut got = vec![f32::NAN; tokens * dim];
+            KplHostBackend::new(wave).attn_res_mix(&query, 1e-6, &refs, &mut got);
+            close(&got, &want, 1e-5, &format!("attn_res {n} candidates wave {wave}"));
         }
     }
 }

@@ -14,6 +14,7 @@ void kpl_cpu_launch_kpl_gated_rmsnorm_f32(unsigned, unsigned, unsigned, const Kp
 void kpl_cpu_launch_kpl_situ_glu_f32(unsigned, unsigned, unsigned, const KplSituParams*);
 void kpl_cpu_launch_kpl_embedding_bf16(unsigned, unsigned, unsigned, const KplEmbeddingParams*);
 void kpl_cpu_launch_kpl_kda_decode_f32(unsigned, unsigned, unsigned, const KplKdaDecodeParams*);
+void kpl_cpu_launch_kpl_attn_res_mix_f32(unsigned, unsigned, unsigned, const KplAttnResParams*);
 }
 
 int main() {
@@ -38,6 +39,10 @@ int main() {
         KplKdaDecodeParams kp{x.data(), x.data(), x.data(), x.data(), gate.data(), a.data(), dt.data(), slots,
                               o.data(), 2, 2, 40, -5.0f, 0.158f, 0};
         kpl_cpu_launch_kpl_kda_decode_f32(4, wave, wave, &kp);
+        const float* cands[3] = {x.data(), gate.data(), out.data()};
+        std::vector<float> mixed(rows * cols);
+        KplAttnResParams ap{w.data(), cands, mixed.data(), rows, cols, 3, 1e-6f};
+        kpl_cpu_launch_kpl_attn_res_mix_f32(rows, 2 * wave, wave, &ap);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

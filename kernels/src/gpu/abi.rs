@@ -73,3 +73,17 @@ pub struct KdaDecodeParams {
     pub q_scale: f32,
     pub pad_: u32,
 }
+
+/// `kpl_attn_res_mix_f32`: one block per token; `cands` is a device table of `n_cands` (≤ 32)
+/// block addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnResParams {
+    pub query: u64,
+    pub cands: u64,
+    pub out: u64,
+    pub tokens: u32,
+    pub dim: u32,
+    pub n_cands: u32,
+    pub eps: f32,
+}

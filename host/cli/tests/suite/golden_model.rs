@@ -237,14 +237,50 @@ fn k31_tiny_indexer_matches_release() {
     check_case("k31-tiny-indexer");
 }
 
-/// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model:
-/// every golden of a case with their ops on them — RMSNorm, KDA's gated norm, SiTU and the
-/// embedding — at AMD's wave 64 (K3.1 with the indexer) and NVIDIA's wave 32 (MXFP4 experts).
-/// (Each GPU thread is an OS thread here, so a case takes tens of seconds; the op suite in
-/// `kernels/kpl-host` covers every kernel at both waves.)
+/// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model,
+/// on every golden model: the 7-token traced prefill (every traced tensor and the logits) and the
+/// cached decode steps (logits, states after decode) run on `KplHostBackend` — RMSNorm, KDA's
+/// gated norm, SiTU, AttnRes, the embedding and the KDA decode step on the kernels — at AMD's
+/// wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
+/// each GPU thread is an OS thread here, so long prefills through the kernels would take minutes.
 #[test]
 fn goldens_pass_through_the_host_built_gpu_kernels() {
     use kimi_kpl_host::KplHostBackend;
-    check_case_on("k31-tiny-indexer", Some(std::sync::Arc::new(KplHostBackend::new(64))));
-    check_case_on("k3-tiny-mxfp4", Some(std::sync::Arc::new(KplHostBackend::new(32))));
+    for (name, wave) in [("k3-tiny", 64), ("k3-tiny-mxfp4", 64), ("k31-tiny-indexer", 64), ("k3-tiny-mxfp4", 32)] {
+        let g = Golden::open(name);
+        let cpu = Model::load(&g.dir).expect("golden model loads");
+        let gpu = Model::load(&g.dir)
+            .expect("golden model loads")
+            .with_backend(std::sync::Arc::new(KplHostBackend::new(wave)));
+        let cfg = cpu.text_config().clone();
+        let (tol_l, tol_s) = (g.tol_logits(), g.tol_state());
+        let mut ck = Checker { g: &g, checked: BTreeSet::new(), worst_logits: 0.0, worst_state: 0.0 };
+        let mut tr = Trace::default();
+        let ids = g.ids("trace.len7.input_ids");
+        gpu.forward(&ids, &mut gpu.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("trace");
+        for gname in g.names().iter().filter(|n| n.starts_with("trace.len7.") && !n.ends_with("input_ids")) {
+            let ours = &gname["trace.len7.".len()..];
+            if let Some(x) = tr.get_i64(ours) {
+                ck.i64(gname, x);
+            } else {
+                let x = tr.get_f32(ours).unwrap_or_else(|| panic!("{ours} not traced")).to_vec();
+                ck.f32(gname, &x, if ours == "logits" { tol_l } else { tol_s });
+            }
+        }
+        let mut st = cpu.new_state();
+        cpu.forward(&g.ids("decode.prompt_input_ids"), &mut st, LogitsFor::AllTokens, None).expect("prefill");
+        let mut logits = Vec::new();
+        for &id in &g.ids("decode.input_ids") {
+            logits.extend(gpu.forward(&[id], &mut st, LogitsFor::AllTokens, None).expect("decode on the kernels"));
+        }
+        ck.f32("decode.logits", &logits, tol_l);
+        ck.state("after_decode", &st, &cfg);
+        eprintln!(
+            "{name} on {}: {} golden tensors; worst logits |Δ| {:.2e}, worst state |Δ| {:.2e}",
+            gpu.backend().describe(),
+            ck.checked.len(),
+            ck.worst_logits,
+            ck.worst_state
+        );
+    }
 }
