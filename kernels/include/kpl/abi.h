@@ -83,3 +83,22 @@ typedef struct {
     uint32_t n_cands;
     float eps;
 } KplAttnResParams;
+
+// kpl_moe_route_f32: the sigmoid router (spec §2.7) for one token a block: scores = σ(logits)
+// (`[tokens, experts]`, written out), selection by σ + bias (ties to the lower expert), the top_k
+// ids and their weights (σ, renormalised when asked, times scaling), and the margin between the
+// k-th and (k+1)-th selection scores (NaN when every expert is chosen). experts ≤ 1024.
+typedef struct {
+    const float* logits;
+    const float* bias;
+    float* scores;
+    uint32_t* ids;
+    float* weights;
+    float* margins;
+    uint32_t tokens;
+    uint32_t experts;
+    uint32_t top_k;
+    uint32_t renormalize;
+    float scaling;
+    uint32_t pad_;
+} KplMoeRouteParams;

@@ -214,4 +214,36 @@ KPL_DEVICE float block_sum(float v, float* scratch) {
     return t;
 }
 
+// The larger of (v, i) and (ov, oi): greater value, ties to the lower index.
+KPL_DEVICE bool better(float ov, unsigned oi, float v, unsigned i) { return ov > v || (ov == v && oi < i); }
+
+// Argmax over the wave (ties to the lower index): every lane gets it.
+KPL_DEVICE void wave_argmax(float& v, unsigned& i) {
+    unsigned w = wave_size();
+    for (unsigned m = w / 2; m > 0; m /= 2) {
+        float ov = shfl_xor(v, m, w);
+        unsigned oi = __builtin_bit_cast(unsigned, shfl_xor(__builtin_bit_cast(float, i), m, w));
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+// Argmax over the block (ties to the lower index); every thread gets it in (v, i). `sv` and
+// `si` are shared memory of at least 32 entries.
+KPL_DEVICE void block_argmax(float& v, unsigned& i, float* sv, unsigned* si) {
+    unsigned w = wave_size(), lane = lane_id(), wid = thread_id() / w, waves = block_dim() / w;
+    wave_argmax(v, i);
+    if (lane == 0) {
+        sv[wid] = v;
+        si[wid] = i;
+    }
+    sync();
+    v = lane < waves ? sv[lane] : -__builtin_inff();
+    i = lane < waves ? si[lane] : 0xffffffffu;
+    wave_argmax(v, i);
+    sync();
+}
+
 }  // namespace kpl

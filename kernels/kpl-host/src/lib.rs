@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
 };
 
 unsafe extern "C" {
@@ -16,6 +16,8 @@ unsafe extern "C" {
     fn kpl_cpu_launch_kpl_embedding_bf16(grid: u32, block: u32, wave: u32, p: *const EmbeddingParams);
     fn kpl_cpu_launch_kpl_kda_decode_f32(grid: u32, block: u32, wave: u32, p: *const KdaDecodeParams);
     fn kpl_cpu_launch_kpl_attn_res_mix_f32(grid: u32, block: u32, wave: u32, p: *const AttnResParams);
+    fn kpl_cpu_launch_kpl_moe_route_f32(grid: u32, block: u32, wave: u32, p: *const MoeRouteParams);
+    pub fn kpl_abi_size_kpl_moe_route_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_attn_res_mix_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_kda_decode_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rmsnorm_f32() -> std::ffi::c_ulong;
@@ -78,6 +80,7 @@ launcher!(situ_glu_f32, kpl_cpu_launch_kpl_situ_glu_f32, SituParams, "`kpl_situ_
 launcher!(embedding_bf16, kpl_cpu_launch_kpl_embedding_bf16, EmbeddingParams, "`kpl_embedding_bf16` on the host.");
 launcher!(kda_decode_f32, kpl_cpu_launch_kpl_kda_decode_f32, KdaDecodeParams, "`kpl_kda_decode_f32` on the host.");
 launcher!(attn_res_mix_f32, kpl_cpu_launch_kpl_attn_res_mix_f32, AttnResParams, "`kpl_attn_res_mix_f32` on the host.");
+launcher!(moe_route_f32, kpl_cpu_launch_kpl_moe_route_f32, MoeRouteParams, "`kpl_moe_route_f32` on the host.");
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {
@@ -341,7 +344,33 @@ impl Backend for KplHostBackend {
     }
 
     fn moe_route(&self, logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing {
-        self.cpu.moe_route(logits, tokens, p)
+        let e = p.bias.len();
+        if e == 0 || e > 1024 || p.top_k == 0 || p.top_k > e || tokens == 0 {
+            return self.cpu.moe_route(logits, tokens, p);
+        }
+        assert_eq!(logits.len(), tokens * e, "moe_route: logits are [tokens, experts]");
+        let mut scores = vec![0f32; tokens * e];
+        let mut ids = vec![0u32; tokens * p.top_k];
+        let mut weights = vec![0f32; tokens * p.top_k];
+        let mut margins = vec![0f32; tokens];
+        let params = MoeRouteParams {
+            logits: addr(logits.as_ptr()),
+            bias: addr(p.bias.as_ptr()),
+            scores: addr(scores.as_mut_ptr()),
+            ids: addr(ids.as_mut_ptr()),
+            weights: addr(weights.as_mut_ptr()),
+            margins: addr(margins.as_mut_ptr()),
+            tokens: tokens as u32,
+            experts: e as u32,
+            top_k: p.top_k as u32,
+            renormalize: p.renormalize as u32,
+            scaling: p.scaling,
+            pad_: 0,
+        };
+        // SAFETY: logits hold tokens × experts (checked), bias experts; every output was sized
+        // here; all outlive the launch.
+        unsafe { moe_route_f32(Launch { grid: tokens as u32, block: self.wave, wave: self.wave }, params) };
+        Routing { ids: ids.into_iter().map(|i| i as usize).collect(), weights, scores, margins, top_k: p.top_k }
     }
 
     fn moe_experts(

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
 };
 use kimi_kernels::gpu::manifest::Manifest;
 
@@ -38,6 +38,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_embedding_bf16", size_of::<EmbeddingParams>()),
         ("kpl_kda_decode_f32", size_of::<KdaDecodeParams>()),
         ("kpl_attn_res_mix_f32", size_of::<AttnResParams>()),
+        ("kpl_moe_route_f32", size_of::<MoeRouteParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

@@ -4,7 +4,7 @@
 
 use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
 };
 use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
 use kimi_kpl_host::{Launch, addr};
@@ -37,6 +37,7 @@ fn parameter_structs_match_abi_h() {
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_embedding_bf16() as usize, size_of::<EmbeddingParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_decode_f32() as usize, size_of::<KdaDecodeParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_attn_res_mix_f32() as usize, size_of::<AttnResParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_moe_route_f32() as usize, size_of::<MoeRouteParams>());
     }
 }
 
@@ -204,6 +205,33 @@ fn attn_res_mix_matches_the_cpu_backend() {
             let mut got = vec![f32::NAN; tokens * dim];
             KplHostBackend::new(wave).attn_res_mix(&query, 1e-6, &refs, &mut got);
             close(&got, &want, 1e-5, &format!("attn_res {n} candidates wave {wave}"));
+        }
+    }
+}
+
+#[test]
+fn moe_route_selects_and_weighs_like_the_cpu_backend() {
+    use kimi_kernels::RouterParams;
+    use kimi_kpl_host::KplHostBackend;
+    let mut rng = StdRng::seed_from_u64(7);
+    for (experts, top_k, tokens) in [(16usize, 4usize, 3usize), (896, 16, 2), (8, 8, 2), (100, 1, 4)] {
+        let mut logits = randn(&mut rng, tokens * experts, 3.0);
+        // A tie: the lower expert must win it.
+        logits[1] = logits[0];
+        let bias = randn(&mut rng, experts, 0.1);
+        for renormalize in [true, false] {
+            let p = RouterParams { bias: &bias, top_k, renormalize, scaling: 2.5 };
+            let want = CpuBackend.moe_route(&logits, tokens, &p);
+            for wave in WAVES {
+                let got = KplHostBackend::new(wave).moe_route(&logits, tokens, &p);
+                let what = format!("route E {experts} k {top_k} wave {wave}");
+                assert_eq!(got.ids, want.ids, "{what}: ids");
+                close(&got.scores, &want.scores, 1e-6, &format!("{what}: scores"));
+                close(&got.weights, &want.weights, 1e-6, &format!("{what}: weights"));
+                for (a, b) in got.margins.iter().zip(&want.margins) {
+                    assert!(a.is_nan() && b.is_nan() || (a - b).abs() <= 1e-6, "{what}: margin {a} vs {b}");
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ void kpl_cpu_launch_kpl_situ_glu_f32(unsigned, unsigned, unsigned, const KplSitu
 void kpl_cpu_launch_kpl_embedding_bf16(unsigned, unsigned, unsigned, const KplEmbeddingParams*);
 void kpl_cpu_launch_kpl_kda_decode_f32(unsigned, unsigned, unsigned, const KplKdaDecodeParams*);
 void kpl_cpu_launch_kpl_attn_res_mix_f32(unsigned, unsigned, unsigned, const KplAttnResParams*);
+void kpl_cpu_launch_kpl_moe_route_f32(unsigned, unsigned, unsigned, const KplMoeRouteParams*);
 }
 
 int main() {
@@ -43,6 +44,11 @@ int main() {
         std::vector<float> mixed(rows * cols);
         KplAttnResParams ap{w.data(), cands, mixed.data(), rows, cols, 3, 1e-6f};
         kpl_cpu_launch_kpl_attn_res_mix_f32(rows, 2 * wave, wave, &ap);
+        // Three tokens over 64 experts (x's rows as logits), top 8.
+        std::vector<float> scores(3 * 64), rw(3 * 8), margins(3);
+        std::vector<uint32_t> rid(3 * 8);
+        KplMoeRouteParams mp{x.data(), w.data(), scores.data(), rid.data(), rw.data(), margins.data(), 3, 64, 8, 1, 1.0f, 0};
+        kpl_cpu_launch_kpl_moe_route_f32(3, 2 * wave, wave, &mp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

@@ -87,3 +87,21 @@ pub struct AttnResParams {
     pub n_cands: u32,
     pub eps: f32,
 }
+
+/// `kpl_moe_route_f32`: one block per token; `ids` are u32 expert ids, `[tokens, top_k]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeRouteParams {
+    pub logits: u64,
+    pub bias: u64,
+    pub scores: u64,
+    pub ids: u64,
+    pub weights: u64,
+    pub margins: u64,
+    pub tokens: u32,
+    pub experts: u32,
+    pub top_k: u32,
+    pub renormalize: u32,
+    pub scaling: f32,
+    pub pad_: u32,
+}
