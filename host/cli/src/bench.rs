@@ -39,6 +39,9 @@ pub struct ForwardBench {
     /// f32 GFLOP/s of the CPU backend's own product on a 1024 × 2048 BF16 weight and 64 tokens
     /// (best of three): the compute roof a large batch meets.
     pub measured_matmul_gflop_per_s: f64,
+    /// The pool's hand-off cost per op, µs: workers spinning (back-to-back splits) and parked.
+    pub handoff_us_spinning: f64,
+    pub handoff_us_parked: f64,
     /// 2 × the multiply-adds of one token's matrix products (every weight but the embedding
     /// table, top-k/E of the routed experts); attention and the KDA recurrence are not counted.
     pub matmul_flops_per_token: f64,
@@ -108,6 +111,44 @@ pub fn measure_matmul_peak() -> f64 {
         best = best.max(8.0 * 2.0 * (rows * cols * tokens) as f64 / secs / 1e9);
     }
     best
+}
+
+/// The thread pool's cost of handing one op's work to the other threads and waiting for it, as
+/// an op inside a forward step pays it (the step runs on a pool thread): microseconds per empty
+/// parallel split, back to back (the other threads still spinning after the last split) and
+/// after a 2 ms pause (they have parked and must be woken). rayon's workers spin, then park.
+pub fn measure_handoff() -> (f64, f64) {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    let split = || (0..threads).into_par_iter().for_each(|i| std::hint::black_box(i).hash_cost());
+    rayon::scope(|_| {
+        let n = 2000;
+        let t = Instant::now();
+        for _ in 0..n {
+            split();
+        }
+        let hot = t.elapsed().as_secs_f64() / n as f64 * 1e6;
+        let mut parked = 0f64;
+        let m = 50;
+        for _ in 0..m {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            let t = Instant::now();
+            split();
+            parked += t.elapsed().as_secs_f64();
+        }
+        (hot, parked / m as f64 * 1e6)
+    })
+}
+
+/// A stand-in for an op's smallest work item.
+trait HashCost {
+    fn hash_cost(self);
+}
+
+impl HashCost for usize {
+    fn hash_cost(self) {
+        std::hint::black_box(self.wrapping_mul(0x9e37_79b9));
+    }
 }
 
 /// (non-routed, routed-expert) values multiplied per token's pass over every matrix (the
@@ -234,6 +275,7 @@ pub fn bench_forward(
     let bw = measure_read_bandwidth(1 << 29);
     let (dense, routed) = weight_bytes(dir)?;
     let peak = measure_matmul_peak();
+    let handoff = measure_handoff();
     let (dense_values, routed_values) = matmul_params(dir)?;
     let per_token_values =
         dense_values as f64 + routed_values as f64 * c.experts_per_token as f64 / c.num_experts.max(1) as f64;
@@ -284,6 +326,8 @@ pub fn bench_forward(
         measured_read_gb_per_s: bw,
         decode_bandwidth_ratio: first_eff / bw,
         measured_matmul_gflop_per_s: peak,
+        handoff_us_spinning: handoff.0,
+        handoff_us_parked: handoff.1,
         matmul_flops_per_token: flops_per_token,
         batches: runs,
     })
@@ -310,6 +354,11 @@ impl std::fmt::Display for ForwardBench {
             self.measured_read_gb_per_s,
             self.measured_matmul_gflop_per_s,
             self.matmul_flops_per_token / 1e9
+        )?;
+        writeln!(
+            f,
+            "pool hand-off per op: {:.2} µs while the workers spin, {:.2} µs once they have parked",
+            self.handoff_us_spinning, self.handoff_us_parked
         )?;
         writeln!(
             f,
