@@ -4,8 +4,7 @@
 //! so it can never grow past what was granted; a request that does not fit waits, then gets 429.
 
 use crate::model::TextConfig;
-use crate::model::config::MixerKind;
-use crate::model::state::{kda_slot_floats, latent_page_floats};
+use crate::model::plan::{CacheDtype, cache_bytes_per_token, kda_state_bytes};
 
 pub use crate::model::state::PAGE_TOKENS;
 
@@ -19,16 +18,16 @@ pub struct StateShape {
 }
 
 impl StateShape {
-    /// The arenas' own sizes (`kda_slot_floats`, `latent_page_floats`), so the pool's accounting
-    /// and the memory set aside cannot drift apart: `c` is a rank's config (`Model::rank_config`),
-    /// `ranks` the tensor-parallel ranks (each holds its heads' KDA state) and `cache_replicas`
-    /// the copies of each latent page they hold between them (`Model::cache_replicas`: one per
-    /// rank, or one per group when context parallelism splits the pages).
+    /// The same arithmetic as `kimi-host plan` (its per-sequence KDA state and per-token cache
+    /// bytes, for this engine's f32 pages), so the pool, the arenas and the planner cannot drift
+    /// apart: `c` is a rank's config (`Model::rank_config`), `ranks` the tensor-parallel ranks
+    /// (each holds its heads' KDA state) and `cache_replicas` the copies of each latent page they
+    /// hold between them (`Model::cache_replicas`: one per rank, or one per context-parallel group).
     pub fn of(c: &TextConfig, ranks: usize, cache_replicas: usize) -> StateShape {
-        let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
+        let (latent, index) = cache_bytes_per_token(c, CacheDtype::F32);
         StateShape {
-            slot_bytes: 4 * ranks * kda_slot_floats(c),
-            page_bytes: 4 * cache_replicas * mla_layers * latent_page_floats(c),
+            slot_bytes: ranks * kda_state_bytes(c) as usize,
+            page_bytes: cache_replicas * PAGE_TOKENS * (latent + index) as usize,
         }
     }
 
@@ -126,6 +125,21 @@ impl StatePool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pool_counts_what_the_arenas_hold() {
+        use crate::model::state::{kda_slot_floats, latent_page_floats};
+        let c = crate::model::config::parse_config(
+            &crate::model::tiny::tiny_config(&crate::model::tiny::TinyOptions { seed: 0, k31: true, mxfp4: true })
+                .to_string(),
+        )
+        .expect("tiny config")
+        .text;
+        let mla = c.num_mla_layers();
+        let shape = StateShape::of(&c, 2, 2);
+        assert_eq!(shape.slot_bytes, 2 * 4 * kda_slot_floats(&c));
+        assert_eq!(shape.page_bytes, 2 * 4 * mla * latent_page_floats(&c));
+    }
 
     #[test]
     fn reserves_within_the_budget_and_refuses_past_it() {

@@ -110,6 +110,20 @@ pub enum PlanError {
     DoesNotFit { term: String, need: u64, have: u64, plan_summary: String },
 }
 
+/// One sequence's KDA state on one rank (rank-local config `rc`), bytes: f32 recurrent matrices
+/// and convolution windows of every KDA layer — what an engine slot holds.
+pub fn kda_state_bytes(rc: &TextConfig) -> u64 {
+    4 * kda_slot_floats(rc) as u64
+}
+
+/// Latent rows and indexer keys of every MLA layer for one token, bytes, in `cache`'s dtype.
+pub fn cache_bytes_per_token(c: &TextConfig, cache: CacheDtype) -> (u64, u64) {
+    let mla = c.num_mla_layers() as u64;
+    let latent = c.latent_width() as u64 * mla * cache.bytes();
+    let index = c.indexer.as_ref().map_or(0, |ix| ix.head_dim as u64 * mla * cache.bytes());
+    (latent, index)
+}
+
 /// Which linears `--fp8-dense` requantises (ATOM's `ptpc_fp8` recipe, k3-architecture §3.3):
 /// the KDA and MLA projections, the dense MLP and the shared experts; not the embedding, the LM
 /// head, the router, the latent MoE maps, the routed experts (MXFP4), the convolutions or the
@@ -186,10 +200,8 @@ pub fn plan(c: &TextConfig, packed: impl Fn(&str) -> bool, req: &PlanRequest) ->
     let weight_bytes: u64 = by_kind.values().sum();
 
     // State, from the arenas' own sizes (f32 KDA state; the cache in the chosen dtype).
-    let mla = c.num_mla_layers() as u64;
-    let kda_state = 4 * kda_slot_floats(&rc) as u64;
-    let latent_per_token = c.latent_width() as u64 * mla * req.cache.bytes();
-    let index_per_token = c.indexer.as_ref().map_or(0, |ix| ix.head_dim as u64 * mla * req.cache.bytes());
+    let kda_state = kda_state_bytes(&rc);
+    let (latent_per_token, index_per_token) = cache_bytes_per_token(c, req.cache);
     let tokens_per_gpu = (req.context as u64).div_ceil(cp as u64);
     let per_sequence = kda_state + tokens_per_gpu * (latent_per_token + index_per_token);
     let activation = activation_bytes(&rc, tp, req.step_tokens);
