@@ -169,6 +169,15 @@ pub fn weight_kind(t: &RecordedTensor, c: &TextConfig) -> &'static str {
 /// Plans `req` for the model of config `c`; `packed(base)` says whether an expert matrix is
 /// stored MXFP4. Refuses a plan that leaves no room for one sequence, naming the term.
 pub fn plan(c: &TextConfig, packed: impl Fn(&str) -> bool, req: &PlanRequest) -> Result<Plan, PlanError> {
+    // Caps before any arithmetic: every product below then fits in u64.
+    const MAX_GPUS: usize = 4096;
+    const MAX_CONTEXT: usize = 1 << 34;
+    const MAX_STEP_TOKENS: usize = 1 << 24;
+    if req.gpus > MAX_GPUS || req.context > MAX_CONTEXT || req.step_tokens > MAX_STEP_TOKENS {
+        return Err(PlanError::Request(format!(
+            "--gpus at most {MAX_GPUS}, --context at most {MAX_CONTEXT}, --step-tokens at most {MAX_STEP_TOKENS}"
+        )));
+    }
     // Context parallelism as vLLM's decode context parallelism: the ranks of a tensor-parallel
     // group, which would each hold the same replicated latent cache, hold a token range of it
     // instead; so it needs no GPUs of its own and must divide the tensor-parallel size.

@@ -90,6 +90,9 @@ fn a_plan_that_does_not_fit_names_the_term() {
         Err(PlanError::DoesNotFit { term, .. }) => assert!(term.contains("latent cache"), "{term}"),
         other => panic!("215 GB a GPU cannot hold a 1 M-token bf16 cache beside the weights: {other:?}"),
     }
+    let mut huge = request(8, 288, true);
+    huge.context = usize::MAX;
+    assert!(matches!(plan_dir(&release(), &huge), Err(PlanError::Request(_))), "an oversized context is refused");
     let mut odd = request(8, 288, true);
     odd.tensor_parallel = Some(5);
     assert!(matches!(plan_dir(&release(), &odd), Err(PlanError::Request(_))));
