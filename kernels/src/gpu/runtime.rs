@@ -71,11 +71,11 @@ pub struct DeviceProbe {
 pub enum DeviceError {
     #[error("--backend: no {api} runtime on this machine: looked for {looked} ({hint}, or run with --backend cpu)", hint = api.install_hint())]
     NoRuntime { api: Api, looked: String },
-    #[error("{api}: {library} lacks {symbol}")]
+    #[error("--backend: {api}: {library} lacks {symbol} (run with --backend cpu)")]
     Symbol { api: Api, library: String, symbol: &'static str },
-    #[error("{api}: {call} in {library} failed with code {code} (no usable device?)")]
+    #[error("--backend: {api}: {call} in {library} failed with code {code}: no usable device (run with --backend cpu)")]
     Call { api: Api, library: String, call: &'static str, code: i32 },
-    #[error("{api}: {library} loaded, but it sees no device")]
+    #[error("--backend: {api}: {library} loaded, but it sees no device (run with --backend cpu)")]
     NoDevice { api: Api, library: String },
     #[error(
         "{api}: {devices} device(s) through {library}, but the {api} backend cannot run the model yet (its kernels are built and checked, their launcher is not written); run with --backend cpu"
