@@ -109,21 +109,8 @@ enum Command {
         /// Output file: `prefill_logits` [T, V] and, with --decode-ids, `decode_logits` [N, V].
         #[arg(long)]
         out: PathBuf,
-        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
-        /// vocabulary split across them.
-        #[arg(long, default_value_t = 1)]
-        tensor_parallel: usize,
-        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
-        /// latent cache by pages and merge their attention exactly.
-        #[arg(long, default_value_t = 1)]
-        context_parallel: usize,
-        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
-        #[arg(long)]
-        fp8_dense: bool,
-        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
-        /// instead of splitting every expert's intermediate dimension.
-        #[arg(long)]
-        expert_parallel: bool,
+        #[command(flatten)]
+        spread: ModelArgs,
     },
     /// Greedy generation; prints one id per line.
     Generate {
@@ -137,21 +124,8 @@ enum Command {
         /// Keep going after the end-of-message token.
         #[arg(long)]
         ignore_eos: bool,
-        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
-        /// vocabulary split across them.
-        #[arg(long, default_value_t = 1)]
-        tensor_parallel: usize,
-        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
-        /// latent cache by pages and merge their attention exactly.
-        #[arg(long, default_value_t = 1)]
-        context_parallel: usize,
-        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
-        #[arg(long)]
-        fp8_dense: bool,
-        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
-        /// instead of splitting every expert's intermediate dimension.
-        #[arg(long)]
-        expert_parallel: bool,
+        #[command(flatten)]
+        spread: ModelArgs,
     },
     /// Write a small random checkpoint in the real Kimi-K3 layout.
     MakeTiny {
@@ -211,21 +185,8 @@ enum Command {
         /// Listen address (overrides the file's `listen`).
         #[arg(long)]
         listen: Option<String>,
-        /// Tensor-parallel ranks (overrides the file's `tensor_parallel`).
-        #[arg(long)]
-        tensor_parallel: Option<usize>,
-        /// Context-parallel ranks (overrides the file's `context_parallel`).
-        #[arg(long)]
-        context_parallel: Option<usize>,
-        /// Requantise attention, dense-MLP and shared-expert linears to FP8 (sets `fp8_dense`).
-        #[arg(long)]
-        fp8_dense: bool,
-        /// Whole routed experts per rank (sets `expert_parallel`).
-        #[arg(long)]
-        expert_parallel: bool,
-        /// Where the model runs: cpu, hip, cuda or auto (sets `backend`).
-        #[arg(long)]
-        backend: Option<String>,
+        #[command(flatten)]
+        overrides: ServeOverrides,
     },
     /// Plugin tools.
     #[command(subcommand)]
@@ -236,6 +197,61 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+/// How a command spreads and stores the model (`logits`, `generate`, `bench forward`).
+#[derive(clap::Args, Clone, Copy, Debug)]
+struct ModelArgs {
+    /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
+    /// vocabulary split across them.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
+    /// latent cache by pages and merge their attention exactly.
+    #[arg(long, default_value_t = 1)]
+    context_parallel: usize,
+    /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
+    #[arg(long)]
+    fp8_dense: bool,
+    /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
+    /// instead of splitting every expert's intermediate dimension.
+    #[arg(long)]
+    expert_parallel: bool,
+}
+
+impl ModelArgs {
+    fn parallelism(&self) -> Parallelism {
+        Parallelism { tensor: self.tensor_parallel, context: self.context_parallel, expert: self.expert_parallel }
+    }
+
+    fn format(&self) -> WeightFormat {
+        WeightFormat { fp8_dense: self.fp8_dense }
+    }
+
+    fn load(&self, dir: &Path) -> Result<Model> {
+        Model::load_as(dir, self.parallelism(), self.format())
+            .with_context(|| format!("loading model from {}", dir.display()))
+    }
+}
+
+/// `serve`'s flags that override its config file's model settings.
+#[derive(clap::Args, Clone, Debug, Default)]
+struct ServeOverrides {
+    /// Tensor-parallel ranks (overrides the file's `tensor_parallel`).
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
+    /// Context-parallel ranks (overrides the file's `context_parallel`).
+    #[arg(long)]
+    context_parallel: Option<usize>,
+    /// Requantise attention, dense-MLP and shared-expert linears to FP8 (sets `fp8_dense`).
+    #[arg(long)]
+    fp8_dense: bool,
+    /// Whole routed experts per rank (sets `expert_parallel`).
+    #[arg(long)]
+    expert_parallel: bool,
+    /// Where the model runs: cpu, hip, cuda or auto (sets `backend`).
+    #[arg(long)]
+    backend: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -336,21 +352,8 @@ enum BenchCommand {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
-        /// Tensor-parallel ranks (threads here; GPUs later): heads, intermediate sizes and the
-        /// vocabulary split across them.
-        #[arg(long, default_value_t = 1)]
-        tensor_parallel: usize,
-        /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
-        /// latent cache by pages and merge their attention exactly.
-        #[arg(long, default_value_t = 1)]
-        context_parallel: usize,
-        /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.
-        #[arg(long)]
-        fp8_dense: bool,
-        /// Place whole routed experts on the tensor-parallel ranks (a contiguous range each)
-        /// instead of splitting every expert's intermediate dimension.
-        #[arg(long)]
-        expert_parallel: bool,
+        #[command(flatten)]
+        spread: ModelArgs,
         #[arg(long)]
         json: bool,
     },
@@ -391,18 +394,12 @@ fn parse_ids(arg: &str, what: &str) -> Result<Vec<u32>> {
     raw.iter().map(|&x| u32::try_from(x).map_err(|_| anyhow::anyhow!("{what}: {x} is not a valid token id"))).collect()
 }
 
-fn load(dir: &Path, par: Parallelism, fp8_dense: bool) -> Result<Model> {
-    Model::load_as(dir, par, WeightFormat { fp8_dense })
-        .with_context(|| format!("loading model from {}", dir.display()))
-}
-
 /// The server configuration (file or embedded default, flags on top) and its loaded state.
 fn server_state(
     config: Option<PathBuf>,
     model: Option<PathBuf>,
     listen: Option<String>,
-    par: (Option<usize>, Option<usize>, bool, bool),
-    backend: Option<String>,
+    over: ServeOverrides,
 ) -> Result<(kimi_host::server::config::ServeConfig, std::sync::Arc<kimi_host::server::AppState>)> {
     use kimi_host::server::{AppState, config::ServeConfig, embedded};
     let mut cfg = match &config {
@@ -415,20 +412,16 @@ fn server_state(
     if let Some(l) = listen {
         cfg.listen = l;
     }
-    if let Some(n) = par.0 {
+    if let Some(n) = over.tensor_parallel {
         cfg.tensor_parallel = Some(n);
     }
-    if let Some(n) = par.1 {
+    if let Some(n) = over.context_parallel {
         cfg.context_parallel = Some(n);
     }
-    if par.2 {
-        cfg.fp8_dense = true;
-    }
-    if par.3 {
-        cfg.expert_parallel = true;
-    }
-    if backend.is_some() {
-        cfg.backend = backend;
+    cfg.fp8_dense |= over.fp8_dense;
+    cfg.expert_parallel |= over.expert_parallel;
+    if over.backend.is_some() {
+        cfg.backend = over.backend;
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {
@@ -451,15 +444,9 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
-fn serve(
-    config: Option<PathBuf>,
-    model: Option<PathBuf>,
-    listen: Option<String>,
-    par: (Option<usize>, Option<usize>, bool, bool),
-    backend: Option<String>,
-) -> Result<()> {
+fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>, over: ServeOverrides) -> Result<()> {
     use kimi_host::server::{embedded, serve};
-    let (cfg, state) = server_state(config, model, listen, par, backend)?;
+    let (cfg, state) = server_state(config, model, listen, over)?;
     let addr = cfg.listen_addr()?;
     let grace = std::time::Duration::from_secs(cfg.engine.shutdown_grace_s);
     runtime()?.block_on(async move {
@@ -476,16 +463,7 @@ fn main() -> Result<()> {
     let serving = matches!(cli.command, Command::Serve { .. });
     init_logging(cli.log_format, if serving { "info" } else { "warn" });
     match cli.command {
-        Command::Serve {
-            config,
-            model,
-            listen,
-            tensor_parallel,
-            context_parallel,
-            fp8_dense,
-            expert_parallel,
-            backend,
-        } => serve(config, model, listen, (tensor_parallel, context_parallel, fp8_dense, expert_parallel), backend)?,
+        Command::Serve { config, model, listen, overrides } => serve(config, model, listen, overrides)?,
         Command::Inspect { model_dir, context, json } => {
             let report = inspect(&model_dir, context).with_context(|| format!("inspecting {}", model_dir.display()))?;
             if json {
@@ -537,35 +515,15 @@ fn main() -> Result<()> {
                 print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
         }
-        Command::Logits {
-            model,
-            prompt_ids,
-            decode_ids,
-            out,
-            tensor_parallel,
-            context_parallel,
-            fp8_dense,
-            expert_parallel,
-        } => {
-            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
-            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, par, fp8_dense)?
+        Command::Logits { model, prompt_ids, decode_ids, out, spread } => {
+            logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, spread)?
         }
-        Command::Generate {
-            model,
-            prompt_ids,
-            max_tokens,
-            ignore_eos,
-            tensor_parallel,
-            context_parallel,
-            fp8_dense,
-            expert_parallel,
-        } => {
+        Command::Generate { model, prompt_ids, max_tokens, ignore_eos, spread } => {
             let prompt = parse_ids(&prompt_ids, "--prompt-ids")?;
             if prompt.is_empty() {
                 bail!("--prompt-ids must hold at least one id");
             }
-            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
-            let m = load(&model, par, fp8_dense)?;
+            let m = spread.load(&model)?;
             let eos = m.text_config().eos_token_id;
             let mut state = m.new_state();
             let mut logits = m.forward(&prompt, &mut state, LogitsFor::LastToken, None)?;
@@ -604,7 +562,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
-            let (_, state) = server_state(config, model, None, (None, None, false, false), None)?;
+            let (_, state) = server_state(config, model, None, ServeOverrides::default())?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(
                 state,
@@ -622,18 +580,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
             soak_cmd(duration, concurrency, seed, hostile, json)?
         }
-        Command::Bench(BenchCommand::Forward {
-            model,
-            prompt_len,
-            decode,
-            batch,
-            threads,
-            tensor_parallel,
-            context_parallel,
-            fp8_dense,
-            expert_parallel,
-            json,
-        }) => {
+        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, spread, json }) => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
@@ -642,8 +589,7 @@ fn main() -> Result<()> {
             if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
-            let par = Parallelism { tensor: tensor_parallel, context: context_parallel, expert: expert_parallel };
-            let r = bench_forward(&model, prompt_len, decode, &batch, par, WeightFormat { fp8_dense })?;
+            let r = bench_forward(&model, prompt_len, decode, &batch, spread.parallelism(), spread.format())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -655,20 +601,13 @@ fn main() -> Result<()> {
 }
 
 /// `logits`: prefill (and optional decode) logits of a prompt, written as safetensors.
-fn logits_cmd(
-    model: &Path,
-    prompt_ids: &str,
-    decode_ids: Option<&str>,
-    out: &Path,
-    par: Parallelism,
-    fp8_dense: bool,
-) -> Result<()> {
+fn logits_cmd(model: &Path, prompt_ids: &str, decode_ids: Option<&str>, out: &Path, spread: ModelArgs) -> Result<()> {
     let prompt = parse_ids(prompt_ids, "--prompt-ids")?;
     if prompt.is_empty() {
         bail!("--prompt-ids must hold at least one id");
     }
     let decode = decode_ids.map(|d| parse_ids(d, "--decode-ids")).transpose()?;
-    let m = load(model, par, fp8_dense)?;
+    let m = spread.load(model)?;
     let v = m.text_config().vocab_size;
     let mut state = m.new_state();
     let prefill = m.forward(&prompt, &mut state, LogitsFor::AllTokens, None)?;
