@@ -102,3 +102,20 @@ typedef struct {
     float scaling;
     uint32_t pad_;
 } KplMoeRouteParams;
+
+// kpl_kda_conv_f32: KDA's causal depthwise convolution + SiLU (spec §2.4) over each sequence's
+// rows of x (`[tokens, channels]`, in place), continuing from and updating that sequence's frames
+// (`frames[s]`: its last kernel − 1 inputs, `[kernel − 1, channels]`, oldest first); taps
+// `[channels, kernel]`, oldest first; kernel ≤ 8. Sequence s owns rows starts[s] .. + lens[s].
+// Grid: seqs × ceil(channels / block); a thread slides one channel's window down its rows.
+typedef struct {
+    float* x;
+    const float* taps;
+    const uint32_t* starts;
+    const uint32_t* lens;
+    float* const* frames;
+    uint32_t seqs;
+    uint32_t channels;
+    uint32_t kernel;
+    uint32_t pad_;
+} KplKdaConvParams;

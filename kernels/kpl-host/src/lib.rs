@@ -6,7 +6,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaConvParams, KdaDecodeParams, MoeRouteParams, RmsnormParams,
+    SituParams,
 };
 
 unsafe extern "C" {
@@ -17,6 +18,8 @@ unsafe extern "C" {
     fn kpl_cpu_launch_kpl_kda_decode_f32(grid: u32, block: u32, wave: u32, p: *const KdaDecodeParams);
     fn kpl_cpu_launch_kpl_attn_res_mix_f32(grid: u32, block: u32, wave: u32, p: *const AttnResParams);
     fn kpl_cpu_launch_kpl_moe_route_f32(grid: u32, block: u32, wave: u32, p: *const MoeRouteParams);
+    fn kpl_cpu_launch_kpl_kda_conv_f32(grid: u32, block: u32, wave: u32, p: *const KdaConvParams);
+    pub fn kpl_abi_size_kpl_kda_conv_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_moe_route_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_attn_res_mix_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_kda_decode_f32() -> std::ffi::c_ulong;
@@ -81,6 +84,7 @@ launcher!(embedding_bf16, kpl_cpu_launch_kpl_embedding_bf16, EmbeddingParams, "`
 launcher!(kda_decode_f32, kpl_cpu_launch_kpl_kda_decode_f32, KdaDecodeParams, "`kpl_kda_decode_f32` on the host.");
 launcher!(attn_res_mix_f32, kpl_cpu_launch_kpl_attn_res_mix_f32, AttnResParams, "`kpl_attn_res_mix_f32` on the host.");
 launcher!(moe_route_f32, kpl_cpu_launch_kpl_moe_route_f32, MoeRouteParams, "`kpl_moe_route_f32` on the host.");
+launcher!(kda_conv_f32, kpl_cpu_launch_kpl_kda_conv_f32, KdaConvParams, "`kpl_kda_conv_f32` on the host.");
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {
@@ -212,7 +216,36 @@ impl Backend for KplHostBackend {
     }
 
     fn kda_conv(&self, x: &mut [f32], spans: &[SeqSpan], frames: &mut [&mut [f32]], taps: &[f32], kernel: usize) {
-        self.cpu.kda_conv(x, spans, frames, taps, kernel)
+        let channels = taps.len() / kernel.max(1);
+        if kernel == 0 || kernel > 8 || channels == 0 || spans.is_empty() {
+            return self.cpu.kda_conv(x, spans, frames, taps, kernel);
+        }
+        assert!(
+            spans.len() == frames.len()
+                && frames.iter().all(|f| f.len() >= (kernel - 1) * channels)
+                && spans.iter().all(|s| (s.start + s.len) * channels <= x.len()),
+            "kda_conv: shapes"
+        );
+        let starts: Vec<u32> = spans.iter().map(|s| s.start as u32).collect();
+        let lens: Vec<u32> = spans.iter().map(|s| s.len as u32).collect();
+        let table: Vec<u64> = frames.iter_mut().map(|f| addr(f.as_mut_ptr())).collect();
+        let p = KdaConvParams {
+            x: addr(x.as_mut_ptr()),
+            taps: addr(taps.as_ptr()),
+            starts: addr(starts.as_ptr()),
+            lens: addr(lens.as_ptr()),
+            frames: addr(table.as_ptr()),
+            seqs: spans.len() as u32,
+            channels: channels as u32,
+            kernel: kernel as u32,
+            pad_: 0,
+        };
+        let chunks = channels.div_ceil(self.wave as usize);
+        let l = Launch { grid: (spans.len() * chunks) as u32, block: self.wave, wave: self.wave };
+        // SAFETY: every span's rows lie in x and every window holds (kernel − 1) × channels
+        // values (checked); the tables were built here; each sequence's rows and window are its
+        // own, and a thread touches one channel of one sequence; all outlive the launch.
+        unsafe { kda_conv_f32(l, p) }
     }
 
     fn kda_recurrence(

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaConvParams, KdaDecodeParams, MoeRouteParams, RmsnormParams,
+    SituParams,
 };
 use kimi_kernels::gpu::manifest::Manifest;
 
@@ -39,6 +40,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_kda_decode_f32", size_of::<KdaDecodeParams>()),
         ("kpl_attn_res_mix_f32", size_of::<AttnResParams>()),
         ("kpl_moe_route_f32", size_of::<MoeRouteParams>()),
+        ("kpl_kda_conv_f32", size_of::<KdaConvParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

@@ -4,7 +4,8 @@
 
 use kimi_kernels::cpu::bf16::f32_to_bf16_bits;
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaDecodeParams, MoeRouteParams, RmsnormParams, SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaConvParams, KdaDecodeParams, MoeRouteParams, RmsnormParams,
+    SituParams,
 };
 use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
 use kimi_kpl_host::{Launch, addr};
@@ -38,6 +39,7 @@ fn parameter_structs_match_abi_h() {
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_decode_f32() as usize, size_of::<KdaDecodeParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_attn_res_mix_f32() as usize, size_of::<AttnResParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_moe_route_f32() as usize, size_of::<MoeRouteParams>());
+        assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_conv_f32() as usize, size_of::<KdaConvParams>());
     }
 }
 
@@ -232,6 +234,39 @@ fn moe_route_selects_and_weighs_like_the_cpu_backend() {
                     assert!(a.is_nan() && b.is_nan() || (a - b).abs() <= 1e-6, "{what}: margin {a} vs {b}");
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn kda_conv_continues_each_sequence_like_the_cpu_backend() {
+    use kimi_kernels::SeqSpan;
+    use kimi_kpl_host::KplHostBackend;
+    let mut rng = StdRng::seed_from_u64(8);
+    // A prefill chunk of 5 rows, a decode row and an empty sequence; 70 channels, kernel 4.
+    let (channels, kernel) = (70usize, 4usize);
+    let spans = [
+        SeqSpan { start: 0, len: 5, pos: 3 },
+        SeqSpan { start: 5, len: 1, pos: 9 },
+        SeqSpan { start: 6, len: 0, pos: 2 },
+    ];
+    let x = randn(&mut rng, 6 * channels, 2.0);
+    let taps = randn(&mut rng, channels * kernel, 1.0);
+    let frames: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, (kernel - 1) * channels, 1.0)).collect();
+    let (mut want, mut want_frames) = (x.clone(), frames.clone());
+    {
+        let mut f: Vec<&mut [f32]> = want_frames.iter_mut().map(|f| f.as_mut_slice()).collect();
+        CpuBackend.kda_conv(&mut want, &spans, &mut f, &taps, kernel);
+    }
+    for wave in WAVES {
+        let (mut got, mut got_frames) = (x.clone(), frames.clone());
+        {
+            let mut f: Vec<&mut [f32]> = got_frames.iter_mut().map(|f| f.as_mut_slice()).collect();
+            KplHostBackend::new(wave).kda_conv(&mut got, &spans, &mut f, &taps, kernel);
+        }
+        close(&got, &want, 1e-5, &format!("kda conv rows, wave {wave}"));
+        for (g, w) in got_frames.iter().zip(&want_frames) {
+            assert_eq!(g, w, "kda conv windows, wave {wave}: raw inputs, exact");
         }
     }
 }

@@ -16,6 +16,7 @@ void kpl_cpu_launch_kpl_embedding_bf16(unsigned, unsigned, unsigned, const KplEm
 void kpl_cpu_launch_kpl_kda_decode_f32(unsigned, unsigned, unsigned, const KplKdaDecodeParams*);
 void kpl_cpu_launch_kpl_attn_res_mix_f32(unsigned, unsigned, unsigned, const KplAttnResParams*);
 void kpl_cpu_launch_kpl_moe_route_f32(unsigned, unsigned, unsigned, const KplMoeRouteParams*);
+void kpl_cpu_launch_kpl_kda_conv_f32(unsigned, unsigned, unsigned, const KplKdaConvParams*);
 }
 
 int main() {
@@ -49,6 +50,12 @@ int main() {
         std::vector<uint32_t> rid(3 * 8);
         KplMoeRouteParams mp{x.data(), w.data(), scores.data(), rid.data(), rw.data(), margins.data(), 3, 64, 8, 1, 1.0f, 0};
         kpl_cpu_launch_kpl_moe_route_f32(3, 2 * wave, wave, &mp);
+        // Two sequences (rows 0..2 and 2..3) of 200 channels, kernel 4.
+        std::vector<float> taps(200 * 4, 0.25f), f0(3 * 200, 0.0f), f1(3 * 200, 1.0f);
+        uint32_t starts[2] = {0, 2}, lens[2] = {2, 1};
+        float* windows[2] = {f0.data(), f1.data()};
+        KplKdaConvParams cp{x.data(), taps.data(), starts, lens, windows, 2, 200, 4, 0};
+        kpl_cpu_launch_kpl_kda_conv_f32(2 * ((200 + wave - 1) / wave), wave, wave, &cp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

@@ -105,3 +105,19 @@ pub struct MoeRouteParams {
     pub scaling: f32,
     pub pad_: u32,
 }
+
+/// `kpl_kda_conv_f32`: grid `seqs × ceil(channels / block)`; `starts` / `lens` are u32 per
+/// sequence and `frames` a device table of each sequence's window.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KdaConvParams {
+    pub x: u64,
+    pub taps: u64,
+    pub starts: u64,
+    pub lens: u64,
+    pub frames: u64,
+    pub seqs: u32,
+    pub channels: u32,
+    pub kernel: u32,
+    pub pad_: u32,
+}
