@@ -34,9 +34,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use kimi_host::server::config::key_hash;
 
 /// Allowed growth of resident memory from warm-up to the end of the run: a quarter, and at least
-/// 64 MiB (allocator and plugin-pool slack that a short run has not yet settled).
+/// 96 MiB. The hostile tenant's sampler hoards memory up to its 64 MiB cap, and the instance doing
+/// so may be alive at the end of a short run though none was at warm-up; the other 32 MiB are
+/// allocator and plugin-pool slack. (A 60 s run measured 64.6 MiB of growth against the former
+/// 64 MiB slack: the cap alone.) A leak still shows: the documented 600 s run is held to it too.
 pub const RSS_GROWTH: f64 = 0.25;
-pub const RSS_SLACK_BYTES: u64 = 64 << 20;
+pub const RSS_SLACK_BYTES: u64 = 96 << 20;
 
 const ACME_KEY: &str = "soak-acme";
 const MALLORY_KEY: &str = "soak-mallory";
