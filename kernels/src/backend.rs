@@ -79,6 +79,23 @@ pub struct KdaInputs<'a> {
     pub beta_logits: &'a [f32],
 }
 
+/// One sequence's KDA recurrent state for a step: its slot region `[heads, K, V]` and, for a
+/// speculative verify, one buffer per new token that receives the state after that token (the
+/// next round resumes from the last accepted one instead of recomputing or undoing anything).
+#[derive(Debug)]
+pub struct KdaSlot<'a> {
+    pub state: &'a mut [f32],
+    /// Empty, or one `[heads, K, V]` buffer per token of the sequence's span.
+    pub after_token: Vec<&'a mut [f32]>,
+}
+
+impl<'a> KdaSlot<'a> {
+    /// A slot without per-token snapshots.
+    pub fn new(state: &'a mut [f32]) -> KdaSlot<'a> {
+        KdaSlot { state, after_token: Vec::new() }
+    }
+}
+
 /// The indexer's decision for one query token (K3.1, spec §5).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Selection {
@@ -147,6 +164,25 @@ pub trait Backend: Send + Sync {
     /// `out = (x − mean) / std · w + b` per row of `w.len()` values.
     fn layer_norm(&self, x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]);
 
+    /// `gate ← SiLU(gate) · up` in place (SwiGLU, the DSpark draft's MLP).
+    fn silu_glu(&self, gate: &mut [f32], up: &[f32]);
+
+    /// Rotary embedding on interleaved pairs (GPT-J / DeepSeek `is_neox_style=False`): `x` is
+    /// `[positions.len(), heads, head_stride]`; in each head, lanes `offset + 2i` and
+    /// `offset + 2i + 1` turn by `positions[t] · inv_freq[i]` (the angle and its cos / sin in
+    /// f32), scaled by `magnitude` (YaRN's cos/sin factor).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_interleaved(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        heads: usize,
+        head_stride: usize,
+        offset: usize,
+        inv_freq: &[f32],
+        magnitude: f32,
+    );
+
     /// `acc += x`.
     fn add(&self, acc: &mut [f32], x: &[f32]);
 
@@ -168,13 +204,14 @@ pub trait Backend: Send + Sync {
     /// KDA's delta rule over the step (spec §2.4): per sequence and head, L2-normalised q (scaled)
     /// and k, gates `lower_bound · σ(a_exp · (z + dt_bias))`, β = σ(beta_logits), then the
     /// recurrence (one token) or the chunked form (many) on that sequence's recurrent slot
-    /// `slots[s]` (`[heads, K, V]`). Writes the core output `[tokens, heads · V]`.
+    /// `slots[s]` (`[heads, K, V]`). A slot with per-token buffers runs its tokens one by one
+    /// and copies the state after each into them. Writes the core output `[tokens, heads · V]`.
     fn kda_recurrence(
         &self,
         p: &KdaParams<'_>,
         x: &KdaInputs<'_>,
         spans: &[SeqSpan],
-        slots: &mut [&mut [f32]],
+        slots: &mut [KdaSlot<'_>],
         out: &mut [f32],
     );
 

@@ -12,7 +12,8 @@ pub mod cpu;
 pub mod gpu;
 
 pub use backend::{
-    Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,
+    Backend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
+    SituParams,
 };
 pub use comm::{CommStats, Communicator, ThreadComm};
 pub use cpu::backend::CpuBackend;

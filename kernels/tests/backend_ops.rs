@@ -8,7 +8,7 @@ mod common;
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_row;
 use kimi_kernels::{
-    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, Matrix, Mxfp4Matrix,
+    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix,
     PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams,
 };
 use rand::rngs::StdRng;
@@ -280,6 +280,32 @@ fn embedding_norms_and_elementwise_match_reference() {
                 .collect();
             assert_close(&g, &want, 1e-4, &format!("{name} situ_glu {act:?}"));
         }
+
+        let mut g = x.clone();
+        be.silu_glu(&mut g, &gate);
+        let want: Vec<f64> = x.iter().zip(&gate).map(|(&a, &u)| a as f64 * sigmoid(a as f64) * u as f64).collect();
+        assert_close(&g, &want, 1e-5, &format!("{name} silu_glu"));
+
+        // RoPE on interleaved pairs: 2 tokens × 3 heads × 7 lanes, pairs in lanes 2..6.
+        let (heads, stride, offset) = (3, 7, 2);
+        let inv = [1.0f32, 0.05];
+        let positions = [0usize, 1234];
+        let x = randn(&mut rng, positions.len() * heads * stride);
+        let mut got = x.clone();
+        be.rope_interleaved(&mut got, &positions, heads, stride, offset, &inv, 1.5);
+        let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..heads {
+                for (i, &f) in inv.iter().enumerate() {
+                    let a = (t * heads + h) * stride + offset + 2 * i;
+                    let ang = (pos as f32 * f) as f64;
+                    let (c, s) = (1.5 * ang.cos(), 1.5 * ang.sin());
+                    want[a] = x[a] as f64 * c - x[a + 1] as f64 * s;
+                    want[a + 1] = x[a + 1] as f64 * c + x[a] as f64 * s;
+                }
+            }
+        }
+        assert_close(&got, &want, 1e-5, &format!("{name} rope_interleaved"));
     }
 }
 
@@ -379,8 +405,26 @@ fn kda_recurrence_matches_the_token_recurrence_in_f64() {
         let slots0: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, h * k * k)).collect();
         let mut slots = slots0.clone();
         let mut out = vec![0f32; tokens * width];
-        let mut sl: Vec<&mut [f32]> = slots.iter_mut().map(|s| s.as_mut_slice()).collect();
+        // The single-token sequence and the 70-token one also keep the state after each token
+        // (a speculative verify's snapshots); the empty one keeps none.
+        let mut snaps: Vec<Vec<Vec<f32>>> = spans.iter().map(|sp| vec![vec![f32::NAN; h * k * k]; sp.len]).collect();
+        let mut sl: Vec<KdaSlot<'_>> = slots
+            .iter_mut()
+            .zip(snaps.iter_mut())
+            .map(|(s, sn)| KdaSlot {
+                state: s.as_mut_slice(),
+                after_token: sn.iter_mut().map(|v| v.as_mut_slice()).collect(),
+            })
+            .collect();
         be.kda_recurrence(&p, &inputs, &spans, &mut sl, &mut out);
+        drop(sl);
+        let snap_out = out.clone();
+        // The same step without snapshots (the chunked form for the long sequence).
+        let mut plain = slots0.clone();
+        let mut out = vec![0f32; tokens * width];
+        let mut sl: Vec<KdaSlot<'_>> = plain.iter_mut().map(|s| KdaSlot::new(s.as_mut_slice())).collect();
+        be.kda_recurrence(&p, &inputs, &spans, &mut sl, &mut out);
+        drop(sl);
 
         let mut want = vec![0f64; tokens * width];
         let unit = |x: &[f32], scale: f64| -> Vec<f64> {
@@ -391,7 +435,7 @@ fn kda_recurrence_matches_the_token_recurrence_in_f64() {
             for hh in 0..h {
                 // S key-major [K, V].
                 let mut st: Vec<f64> = slots0[s][hh * k * k..(hh + 1) * k * k].iter().map(|&x| x as f64).collect();
-                for i in 0..span.len {
+                for (i, snap) in snaps[s].iter().enumerate() {
                     let t = span.start + i;
                     let at = t * width + hh * k;
                     let qv = unit(&q[at..at + k], 1.0 / (k as f64).sqrt());
@@ -409,12 +453,17 @@ fn kda_recurrence_matches_the_token_recurrence_in_f64() {
                     for j in 0..k {
                         want[at + j] = (0..k).map(|c| st[c * k + j] * qv[c]).sum();
                     }
+                    let snap = &snap[hh * k * k..(hh + 1) * k * k];
+                    assert_close(snap, &st, 1e-4, &format!("{name} kda snapshot seq {s} token {i} head {hh}"));
                 }
-                let got_s = &slots[s][hh * k * k..(hh + 1) * k * k];
-                assert_close(got_s, &st, 1e-4, &format!("{name} kda state seq {s} head {hh}"));
+                for (state, what) in [(&slots[s], "snapshots"), (&plain[s], "plain")] {
+                    let got_s = &state[hh * k * k..(hh + 1) * k * k];
+                    assert_close(got_s, &st, 1e-4, &format!("{name} kda state ({what}) seq {s} head {hh}"));
+                }
             }
         }
         assert_close(&out, &want, 1e-4, &format!("{name} kda_recurrence"));
+        assert_close(&snap_out, &want, 1e-4, &format!("{name} kda_recurrence with snapshots"));
     }
 }
 

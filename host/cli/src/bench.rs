@@ -230,11 +230,8 @@ fn decode_batch(
     let group = (2048 / prompt_len.max(1)).max(1);
     let mut next: Vec<u32> = Vec::with_capacity(batch);
     for (ps, ss) in prompts.chunks(group).zip(states.chunks_mut(group)) {
-        let mut inputs: Vec<SeqInput<'_>> = ps
-            .iter()
-            .zip(ss.iter_mut())
-            .map(|(ids, state)| SeqInput { ids, state, logits: LogitsFor::LastToken })
-            .collect();
+        let mut inputs: Vec<SeqInput<'_>> =
+            ps.iter().zip(ss.iter_mut()).map(|(ids, state)| SeqInput::new(ids, state, LogitsFor::LastToken)).collect();
         next.extend(model.forward_batch(&mut inputs, None)?.iter().map(|l| argmax(l) as u32));
     }
     let mut times = OpTimes::default();
@@ -245,7 +242,7 @@ fn decode_batch(
         let mut inputs: Vec<SeqInput<'_>> = ids
             .iter()
             .zip(states.iter_mut())
-            .map(|(ids, state)| SeqInput { ids, state, logits: LogitsFor::LastToken })
+            .map(|(ids, state)| SeqInput::new(ids, state, LogitsFor::LastToken))
             .collect();
         next = model.forward_batch_profiled(&mut inputs, &mut times)?.iter().map(|l| argmax(l) as u32).collect();
     }
@@ -267,10 +264,8 @@ pub fn bench_forward(
     let mut state = model.new_state();
     let mut prefill_times = OpTimes::default();
     let t = Instant::now();
-    model.forward_batch_profiled(
-        &mut [SeqInput { ids: &prompt, state: &mut state, logits: LogitsFor::LastToken }],
-        &mut prefill_times,
-    )?;
+    model
+        .forward_batch_profiled(&mut [SeqInput::new(&prompt, &mut state, LogitsFor::LastToken)], &mut prefill_times)?;
     let prefill = t.elapsed().as_secs_f64();
     let bw = measure_read_bandwidth(1 << 29);
     let (dense, routed) = weight_bytes(dir)?;

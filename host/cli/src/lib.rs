@@ -9,3 +9,4 @@ pub mod bench_soak;
 pub mod bench_tokenizer;
 pub mod inspect;
 pub mod plan;
+pub mod speculate;

@@ -96,6 +96,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run a DSpark golden case's procedure (its case.json: target prefill with aux taps, draft
+    /// context rows, block pass, Markov walks, verify with KDA snapshots, acceptance, rollback)
+    /// and write every tensor it computes, named as the golden names them.
+    Speculate {
+        /// Target checkpoint directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// DSpark draft directory (config.json and safetensors).
+        #[arg(long)]
+        draft: PathBuf,
+        /// Case directory (case.json; golden.safetensors for the prompt and stored uniforms).
+        #[arg(long)]
+        case: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Write prefill (and cached decode) logits to a safetensors file.
     Logits {
         #[arg(long)]
@@ -514,6 +530,14 @@ fn main() -> Result<()> {
             } else {
                 print!("{}", kimi_host_cli::plan::PlanText(&p));
             }
+        }
+        Command::Speculate { model, draft, case, out } => {
+            let m = Model::load(&model).with_context(|| format!("loading {}", model.display()))?;
+            let d = kimi_host::model::dspark::DsparkDraft::load(&draft, &m)
+                .with_context(|| format!("loading the draft {}", draft.display()))?;
+            let tr = kimi_host_cli::speculate::run_case(&m, &d, &case)?;
+            kimi_host_cli::speculate::write_trace(&tr, &out)?;
+            eprintln!("wrote {} tensors to {}", tr.tensors.len(), out.display());
         }
         Command::Logits { model, prompt_ids, decode_ids, out, spread } => {
             logits_cmd(&model, &prompt_ids, decode_ids.as_deref(), &out, spread)?

@@ -9,6 +9,7 @@
 
 pub mod pool;
 pub mod sampler;
+pub mod speculative;
 mod step;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -364,24 +364,14 @@ impl Worker {
                 let Some(take) = take else { continue };
                 let entry = Entry { run: ri, seq: None, tokens: take };
                 let ids = &req.prompt[*prefilled..*prefilled + take];
-                vec![admit(
-                    &model,
-                    probe,
-                    entry,
-                    SeqInput { ids, state: &mut seqs[0].state, logits: LogitsFor::LastToken },
-                )]
+                vec![admit(&model, probe, entry, SeqInput::new(ids, &mut seqs[0].state, LogitsFor::LastToken))]
             } else {
                 seqs.iter_mut()
                     .filter(|s| !s.done)
                     .filter_map(|s| {
                         let entry = Entry { run: ri, seq: Some(s.index), tokens: 1 };
                         let ids = std::slice::from_ref(s.next.as_ref()?);
-                        Some(admit(
-                            &model,
-                            probe,
-                            entry,
-                            SeqInput { ids, state: &mut s.state, logits: LogitsFor::LastToken },
-                        ))
+                        Some(admit(&model, probe, entry, SeqInput::new(ids, &mut s.state, LogitsFor::LastToken)))
                     })
                     .collect()
             };

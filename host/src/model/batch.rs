@@ -11,6 +11,23 @@ pub struct SeqInput<'a> {
     pub ids: &'a [u32],
     pub state: &'a mut SequenceState,
     pub logits: LogitsFor,
+    /// Hidden states to hand a speculative draft (DSpark), or `None`.
+    pub aux: Option<AuxTap<'a>>,
+}
+
+impl<'a> SeqInput<'a> {
+    pub fn new(ids: &'a [u32], state: &'a mut SequenceState, logits: LogitsFor) -> SeqInput<'a> {
+        SeqInput { ids, state, logits, aux: None }
+    }
+}
+
+/// The target hidden states a DSpark draft reads (its `target_layer_ids`): for every row of the
+/// sequence's step, each tapped layer's output — its AttnRes partial sum, the value the release
+/// code's decoder layer returns (HF `hidden_states[l + 1]`) — concatenated in `layers` order.
+/// The step appends `[rows, layers.len() · hidden]` to `rows`.
+pub struct AuxTap<'a> {
+    pub layers: &'a [usize],
+    pub rows: &'a mut Vec<f32>,
 }
 
 /// Where one sequence's tokens lie in the flat batch (the backend's type: ops read it as is).

@@ -37,6 +37,12 @@ pub enum ModelError {
     StateSlotsFull { capacity: usize },
     #[error("parallelism: {msg}")]
     Parallel { msg: String },
+    #[error(
+        "speculative verify: cannot keep {kept} of {verified} verified tokens (the sequence holds {held}, or the step did not verify them)"
+    )]
+    Verify { verified: usize, kept: usize, held: usize },
+    #[error("speculative verify: {snapshots} snapshot slots were set aside for a step of {tokens} tokens")]
+    VerifyShape { snapshots: usize, tokens: usize },
     #[error("cannot set aside {bytes} bytes of sequence-state memory (lower state_memory)")]
     StateAlloc { bytes: usize },
 }

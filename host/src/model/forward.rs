@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use kimi_kernels::{Backend, CommStats, Communicator, CpuBackend, SituParams, ThreadComm};
 
 use super::attn_res::ResMix;
-use super::batch::{BatchLayout, SeqInput};
+use super::batch::{AuxTap, BatchLayout, SeqInput};
 use super::checkpoint::Checkpoint;
 use super::config::{MixerKind, ModelConfig, TextConfig, load_config};
 use super::error::ModelError;
@@ -321,6 +321,38 @@ impl Model {
         &self.ranks[0].scratch
     }
 
+    /// The whole model on one rank, or a named error: what a DSpark draft needs (it embeds its
+    /// block with the target's table and scores it with the target's LM head).
+    fn whole_rank(&self, what: &str) -> Result<&Rank, ModelError> {
+        match &self.ranks[..] {
+            [rank] => Ok(rank),
+            _ => Err(ModelError::Parallel {
+                msg: format!("{what} runs at --tensor-parallel 1 for now (this model has {} ranks)", self.ranks.len()),
+            }),
+        }
+    }
+
+    /// Rows of the target's embedding table, `[ids, d]` (the DSpark draft's block input).
+    pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let rank = self.whole_rank("the DSpark draft")?;
+        self.check(ids, 0)?;
+        let mut out = vec![0f32; ids.len() * self.config.text.hidden_size];
+        self.backend.embedding(&rank.embed.m(), ids, &mut out);
+        Ok(out)
+    }
+
+    /// The target's LM head over `x` (`[rows, d]`), `[rows, V]` (the DSpark draft's base logits).
+    pub fn lm_head(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+        let rank = self.whole_rank("the DSpark draft")?;
+        Ok(rank.lm_head.matmul(&*self.backend, &rank.scratch, x, rows).to_vec())
+    }
+
+    /// The latent-page arena of states made by [`Model::new_state`] (a DSpark draft keeps its
+    /// rows in pages of the same arena).
+    pub fn default_arenas(&self) -> &StateArenas {
+        &self.arenas
+    }
+
     /// Rank 0's layers (the whole model's at TP 1).
     pub fn layers(&self) -> &[DecoderLayer] {
         &self.ranks[0].layers
@@ -430,11 +462,7 @@ impl Model {
         let mut batch: Vec<SeqInput<'_>> = states
             .iter_mut()
             .enumerate()
-            .map(|(i, state)| SeqInput {
-                ids: if i == 0 { &ids } else { &ids[..1] },
-                state,
-                logits: LogitsFor::LastToken,
-            })
+            .map(|(i, state)| SeqInput::new(if i == 0 { &ids } else { &ids[..1] }, state, LogitsFor::LastToken))
             .collect();
         self.forward_batch(&mut batch, None)?;
         Ok(self.scratch().created())
@@ -449,7 +477,7 @@ impl Model {
         logits_for: LogitsFor,
         trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut batch = [SeqInput { ids, state, logits: logits_for }];
+        let mut batch = [SeqInput::new(ids, state, logits_for)];
         Ok(self.forward_batch(&mut batch, trace)?.pop().unwrap_or_default())
     }
 
@@ -483,6 +511,21 @@ impl Model {
         for s in seqs.iter() {
             self.check(s.ids, s.state.len)?;
             self.check_state(s.state)?;
+            let snapshots = s.state.snapshot_slots();
+            if snapshots > 0 && snapshots != s.ids.len() {
+                return Err(ModelError::VerifyShape { snapshots, tokens: s.ids.len() });
+            }
+            if let Some(tap) = &s.aux
+                && let Some(&bad) = tap.layers.iter().find(|&&l| l + 1 >= self.config.text.num_layers)
+            {
+                return Err(ModelError::config(
+                    "target_layer_ids",
+                    format!(
+                        "layer {bad} cannot be tapped: the model has {} layers and the last is never a tap",
+                        self.config.text.num_layers
+                    ),
+                ));
+            }
         }
         if trace.is_some() && seqs.len() != 1 {
             return Err(ModelError::TraceNeedsOneSequence { sequences: seqs.len() });
@@ -509,10 +552,17 @@ impl Model {
         let all_tokens_trace = matches!(&*seqs, [SeqInput { logits: LogitsFor::AllTokens, .. }]);
         let n = self.ranks.len();
         let mut per_rank: Vec<Vec<RankStateMut<'_>>> = (0..n).map(|_| Vec::with_capacity(seqs.len())).collect();
+        let d = self.config.text.hidden_size;
+        let mut taps: Vec<Option<&mut AuxTap<'_>>> = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
             for (r, st) in s.state.ranks_mut().into_iter().enumerate() {
                 per_rank[r].push(st);
             }
+            if let Some(tap) = s.aux.as_mut() {
+                // This step's rows, filled layer by layer.
+                tap.rows.resize(tap.rows.len() + s.ids.len() * tap.layers.len() * d, 0.0);
+            }
+            taps.push(s.aux.as_mut());
         }
         let step = Step { layout: &layout, ids: &ids, wanted: &wanted, all_tokens_trace, traced: trace.is_some() };
         let mut per_rank = per_rank.into_iter();
@@ -522,20 +572,21 @@ impl Model {
             // starts inside the pool instead of handing work to it and sleeping until it is done,
             // op by op (hundreds of wake-ups a step, measured as a sixth of a small model's
             // serving time).
-            rayon::scope(|_| self.rank_step(&self.ranks[0], &step, first, trace, times))
+            rayon::scope(|_| self.rank_step(&self.ranks[0], &step, first, &mut taps, trace, times))
         } else {
             // Ranks run in lock-step on their own threads, meeting in the collectives.
-            let run = |rank: &Rank, states, trace, times| match &rank.pool {
-                Some(pool) => pool.install(|| self.rank_step(rank, &step, states, trace, times)),
-                None => self.rank_step(rank, &step, states, trace, times),
+            // Every rank holds the same partial sums after the all-reduces: rank 0 records taps.
+            let run = |rank: &Rank, states, taps: &mut [Option<&mut AuxTap<'_>>], trace, times| match &rank.pool {
+                Some(pool) => pool.install(|| self.rank_step(rank, &step, states, taps, trace, times)),
+                None => self.rank_step(rank, &step, states, taps, trace, times),
             };
             std::thread::scope(|scope| {
                 let others: Vec<_> = self.ranks[1..]
                     .iter()
                     .zip(per_rank)
-                    .map(|(rank, states)| scope.spawn(move || run(rank, states, None, None)))
+                    .map(|(rank, states)| scope.spawn(move || run(rank, states, &mut [], None, None)))
                     .collect();
-                let logits = run(&self.ranks[0], first, trace, times);
+                let logits = run(&self.ranks[0], first, &mut taps, trace, times);
                 for h in others {
                     if let Err(panic) = h.join() {
                         std::panic::resume_unwind(panic);
@@ -565,6 +616,7 @@ impl Model {
         rank: &Rank,
         step: &Step<'_>,
         mut states: Vec<RankStateMut<'_>>,
+        taps: &mut [Option<&mut AuxTap<'_>>],
         mut trace: Option<&mut Trace>,
         times: Option<&mut OpTimes>,
     ) -> Result<Vec<f32>, ModelError> {
@@ -698,6 +750,7 @@ impl Model {
                 tr.f32(format!("layer{i}.ffn_output"), &shape, &f);
                 tr.f32(format!("layer{i}.partial_sum"), &shape, &p);
             }
+            record_taps(taps, &layout.spans, i, &p, d);
             partial = Some(p);
         }
 
@@ -755,6 +808,21 @@ struct Step<'a> {
     all_tokens_trace: bool,
     /// A trace is recorded (context-parallel ranks then gather every indexer score).
     traced: bool,
+}
+
+/// Appends layer `layer`'s partial sums `p` (`[tokens, d]`) to every tap that reads it: a tap's
+/// rows are `[rows, layers · d]`, so row t's slice for its k-th layer is written in place (the
+/// tap's rows for this step are added, zeroed, at its first layer).
+fn record_taps(taps: &mut [Option<&mut AuxTap<'_>>], spans: &[super::batch::Span], layer: usize, p: &[f32], d: usize) {
+    for (tap, span) in taps.iter_mut().zip(spans) {
+        let Some(tap) = tap else { continue };
+        let Some(k) = tap.layers.iter().position(|&l| l == layer) else { continue };
+        let width = tap.layers.len() * d;
+        let base = tap.rows.len() - span.len * width;
+        for (r, t) in span.rows().enumerate() {
+            tap.rows[base + r * width + k * d..base + r * width + (k + 1) * d].copy_from_slice(&p[t * d..(t + 1) * d]);
+        }
+    }
 }
 
 fn candidates<'a>(blocks: &'a [Buf<'_>], partial: Option<&'a Buf<'_>>) -> Vec<&'a [f32]> {

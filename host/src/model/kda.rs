@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use kimi_kernels::{Backend, KdaInputs, KdaParams, SeqSpan};
+use kimi_kernels::{Backend, KdaInputs, KdaParams, KdaSlot, SeqSpan};
 
 use super::config::TextConfig;
 use super::error::ModelError;
@@ -122,7 +122,8 @@ impl KdaLayer {
 
     /// x: `[T, d]` (post `input_layernorm`) for every sequence of the step; `states[s]` belongs to
     /// `spans[s]` and advances by its tokens. Projections run once over all T rows; the short
-    /// convolution and the delta-rule core run per sequence, reading that sequence's state.
+    /// convolution and the delta-rule core run per sequence, reading that sequence's state. A
+    /// state with per-token snapshots (a speculative verify) gets every token's state in them.
     pub fn forward<'s>(
         &self,
         be: &dyn Backend,
@@ -140,6 +141,11 @@ impl KdaLayer {
             self.v_proj.matmul(be, sc, x, tokens),
         ];
         for (b, raw) in branches.iter_mut().enumerate() {
+            for (st, span) in states.iter_mut().zip(spans) {
+                if !st.after_token.is_empty() {
+                    st.snapshot_conv(b, &raw[span.start * p..(span.start + span.len) * p]);
+                }
+            }
             let mut frames: Vec<&mut [f32]> = states.iter_mut().map(|s| s.conv_frames_mut(b)).collect();
             be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
         }
@@ -158,7 +164,13 @@ impl KdaLayer {
             lower_bound: self.lower_bound,
         };
         let inputs = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
-        let mut slots: Vec<&mut [f32]> = states.iter_mut().map(|s| &mut *s.recurrent).collect();
+        let mut slots: Vec<KdaSlot<'_>> = states
+            .iter_mut()
+            .map(|s| KdaSlot {
+                state: &mut *s.recurrent,
+                after_token: s.after_token.iter_mut().map(|a| &mut *a.recurrent).collect(),
+            })
+            .collect();
         let mut o = sc.zeroed(tokens * p);
         be.kda_recurrence(&params, &inputs, spans, &mut slots, &mut o);
         // Sigmoid-gated RMSNorm per head, then o_proj.

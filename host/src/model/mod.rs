@@ -4,6 +4,7 @@ pub mod attn_res;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+pub mod dspark;
 pub mod error;
 pub mod forward;
 pub mod indexer;

@@ -178,6 +178,11 @@ impl Slot {
         Ok(s)
     }
 
+    /// A new lease from the same arena (zeroed), e.g. a speculative snapshot of this state.
+    pub fn lease_sibling(&self) -> Result<Slot, ModelError> {
+        self.arena.acquire()
+    }
+
     /// This slot's index in its arena (the slot table entry a device kernel would read).
     pub fn index(&self) -> usize {
         self.index

@@ -51,19 +51,51 @@ impl KdaState<'_> {
     }
 }
 
-/// One KDA layer's state, written through its slot.
+/// One KDA layer's state after one token of a speculative verify, written through a snapshot
+/// slot (the same layout as the sequence's own slot).
+#[derive(Debug)]
+pub struct KdaSnapshotMut<'a> {
+    pub recurrent: &'a mut [f32],
+    conv: &'a mut [f32],
+}
+
+/// One KDA layer's state, written through its slot, with the per-token snapshots of a
+/// speculative verify (empty otherwise).
 #[derive(Debug)]
 pub struct KdaStateMut<'a> {
     pub recurrent: &'a mut [f32],
     conv: &'a mut [f32],
     pub frames: usize,
     pub channels: usize,
+    pub after_token: Vec<KdaSnapshotMut<'a>>,
 }
 
 impl KdaStateMut<'_> {
     pub fn conv_frames_mut(&mut self, branch: usize) -> &mut [f32] {
         let n = self.frames * self.channels;
         &mut self.conv[branch * n..(branch + 1) * n]
+    }
+
+    /// Fills every snapshot's window of `branch` from the current frames and this step's
+    /// pre-convolution rows `raw` (`[tokens, channels]`): after token j the window holds the
+    /// last `frames` rows of `[frames; raw[..=j]]`. Call before the convolution advances the
+    /// frames.
+    pub fn snapshot_conv(&mut self, branch: usize, raw: &[f32]) {
+        let (w, p) = (self.frames, self.channels);
+        let n = w * p;
+        let before = &self.conv[branch * n..(branch + 1) * n];
+        for (j, snap) in self.after_token.iter_mut().enumerate() {
+            let dst = &mut snap.conv[branch * n..(branch + 1) * n];
+            // Rows j+1 .. j+1+w of the history [before (w rows); raw].
+            for (r, row) in dst.chunks_exact_mut(p).enumerate() {
+                let h = j + 1 + r;
+                row.copy_from_slice(if h < w {
+                    &before[h * p..(h + 1) * p]
+                } else {
+                    &raw[(h - w) * p..(h - w + 1) * p]
+                });
+            }
+        }
     }
 }
 
@@ -113,6 +145,21 @@ impl LatentCache {
             cp_rank: rank,
             cp: cp.max(1),
         }
+    }
+
+    /// An empty cache of `width`-wide rows and no indexer keys in pages of `arena` (a DSpark
+    /// draft's rows in the target's page pool), or `None` when a page cannot hold
+    /// `PAGE_TOKENS` such rows.
+    pub fn in_pages(arena: &Arc<SlotArena>, width: usize) -> Option<LatentCache> {
+        (arena.slot_floats() >= PAGE_TOKENS * width).then(|| LatentCache {
+            pages: Vec::new(),
+            arena: arena.clone(),
+            len: 0,
+            width,
+            index_dim: 0,
+            cp_rank: 0,
+            cp: 1,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -249,6 +296,16 @@ impl LatentCache {
         self.cover((upto - 1) / PAGE_TOKENS)
     }
 
+    /// Drops every row from `len` on (a rejected speculative suffix); pages past the new end go
+    /// back to the arena, and a shared page that is written again is copied first as usual.
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        self.len = len;
+        self.pages.truncate(len.div_ceil(PAGE_TOKENS));
+    }
+
     fn reserve_pages(&mut self, tokens: usize) {
         let pages = tokens.div_ceil(PAGE_TOKENS);
         self.pages.reserve_exact(pages.saturating_sub(self.pages.len()));
@@ -296,12 +353,23 @@ pub fn kda_slot_floats(c: &TextConfig) -> usize {
     per_layer * c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Kda)).count()
 }
 
+/// A slot's values split into `n` equal rank parts (empty parts for an empty slot).
+fn split_ranks(n: usize, floats: &mut [f32]) -> Vec<&mut [f32]> {
+    let per = floats.len() / n;
+    let mut parts: Vec<&mut [f32]> =
+        if per == 0 { (0..n).map(|_| &mut [][..]).collect() } else { floats.chunks_exact_mut(per).collect() };
+    parts.resize_with(n, || &mut [][..]);
+    parts
+}
+
 /// Everything one sequence carries between calls: a KDA slot leased from a [`SlotArena`] (every
 /// KDA layer's state; under tensor parallelism each rank's heads in its own region of the slot,
 /// rank-major) and each MLA layer's paged latent cache (one replica per rank, as on GPUs).
 #[derive(Debug)]
 pub struct SequenceState {
     slot: Option<Slot>,
+    /// A speculative verify's per-token snapshot slots (see [`SequenceState::begin_verify`]).
+    snapshots: Vec<Slot>,
     /// Per rank: every layer's state (KDA layouts within the rank's region, latent caches).
     ranks: Vec<Vec<LayerState>>,
     /// Tokens consumed so far.
@@ -311,6 +379,8 @@ pub struct SequenceState {
 /// One rank's part of a sequence's state, for one step.
 pub struct RankStateMut<'a> {
     floats: &'a mut [f32],
+    /// This rank's part of each per-token snapshot slot (a speculative verify; else empty).
+    snapshots: Vec<&'a mut [f32]>,
     pub layers: &'a mut [LayerState],
 }
 
@@ -320,7 +390,12 @@ impl RankStateMut<'_> {
         let l = *l;
         let floats = self.floats.get_mut(l.offset..l.offset + l.floats())?;
         let (recurrent, conv) = floats.split_at_mut(l.recurrent);
-        Some(KdaStateMut { recurrent, conv, frames: l.frames, channels: l.channels })
+        let mut after_token = Vec::with_capacity(self.snapshots.len());
+        for snap in self.snapshots.iter_mut() {
+            let (recurrent, conv) = snap.get_mut(l.offset..l.offset + l.floats())?.split_at_mut(l.recurrent);
+            after_token.push(KdaSnapshotMut { recurrent, conv });
+        }
+        Some(KdaStateMut { recurrent, conv, frames: l.frames, channels: l.channels, after_token })
     }
 
     pub fn mla_mut(&mut self, layer: usize) -> Option<&mut LatentCache> {
@@ -365,12 +440,12 @@ impl SequenceState {
                 })
                 .collect::<Vec<_>>()
         };
-        Ok(SequenceState { slot, ranks: (0..ranks.max(1)).map(rank_layers).collect(), len: 0 })
+        Ok(SequenceState { slot, snapshots: Vec::new(), ranks: (0..ranks.max(1)).map(rank_layers).collect(), len: 0 })
     }
 
     /// A state with no layers and no slot: a place to hold until a fork fills it.
     pub fn empty() -> SequenceState {
-        SequenceState { slot: None, ranks: Vec::new(), len: 0 }
+        SequenceState { slot: None, snapshots: Vec::new(), ranks: Vec::new(), len: 0 }
     }
 
     /// A copy for another sequence (`n > 1`): a new KDA slot from the same arena with this one's
@@ -380,7 +455,7 @@ impl SequenceState {
             Some(s) => Some(s.try_clone()?),
             None => None,
         };
-        Ok(SequenceState { slot, ranks: self.ranks.clone(), len: self.len })
+        Ok(SequenceState { slot, snapshots: Vec::new(), ranks: self.ranks.clone(), len: self.len })
     }
 
     /// Sizes every page table for `tokens` tokens up front (pages themselves are fixed-size and
@@ -419,15 +494,81 @@ impl SequenceState {
     /// Every rank's part, disjoint, for one step.
     pub fn ranks_mut(&mut self) -> Vec<RankStateMut<'_>> {
         let n = self.ranks.len().max(1);
-        let floats: &mut [f32] = match &mut self.slot {
-            Some(s) => s.floats_mut(),
-            None => &mut [],
+        let parts = split_ranks(
+            n,
+            match &mut self.slot {
+                Some(s) => s.floats_mut(),
+                None => &mut [],
+            },
+        );
+        // Per rank, its part of every snapshot slot.
+        let mut snaps: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::new()).collect();
+        for snap in self.snapshots.iter_mut() {
+            for (r, part) in split_ranks(n, snap.floats_mut()).into_iter().enumerate() {
+                snaps[r].push(part);
+            }
+        }
+        parts
+            .into_iter()
+            .zip(snaps)
+            .zip(self.ranks.iter_mut())
+            .map(|((floats, snapshots), layers)| RankStateMut { floats, snapshots, layers })
+            .collect()
+    }
+
+    /// Readies a speculative verify of the next `tokens` tokens: one snapshot slot per token from
+    /// the state's arena (a full fixed arena is an error), which the step fills with every KDA
+    /// layer's state after that token. [`SequenceState::accept`] then keeps a prefix.
+    pub fn begin_verify(&mut self, tokens: usize) -> Result<(), ModelError> {
+        self.snapshots.clear();
+        if let Some(slot) = &self.slot {
+            for _ in 0..tokens {
+                self.snapshots.push(slot.lease_sibling()?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Snapshot slots held for the verify (tests and the pool's accounting).
+    pub fn snapshot_slots(&self) -> usize {
+        self.snapshots.len()
+    }
+
+    /// Rank 0's KDA state of `layer` after verify token `j` (tools and tests).
+    pub fn kda_snapshot(&self, layer: usize, j: usize) -> Option<KdaState<'_>> {
+        let (Some(LayerState::Kda(l)), Some(slot)) = (self.layers().get(layer), self.snapshots.get(j)) else {
+            return None;
         };
-        let per = floats.len() / n;
-        let mut parts: Vec<&mut [f32]> =
-            if per == 0 { (0..n).map(|_| &mut [][..]).collect() } else { floats.chunks_exact_mut(per).collect() };
-        parts.resize_with(self.ranks.len(), || &mut [][..]);
-        parts.into_iter().zip(self.ranks.iter_mut()).map(|(floats, layers)| RankStateMut { floats, layers }).collect()
+        let floats = slot.floats().get(l.offset..l.offset + l.floats())?;
+        let (recurrent, conv) = floats.split_at(l.recurrent);
+        Some(KdaState { recurrent, conv, frames: l.frames, channels: l.channels })
+    }
+
+    /// Ends a speculative verify of `verified` tokens (the last step's) keeping the first `kept`
+    /// (1 ≤ kept ≤ verified): the KDA state becomes the snapshot after token `kept − 1` — its
+    /// slot is swapped in, nothing is recomputed or copied — and the latent caches drop the
+    /// rejected rows. Every snapshot slot goes back to the arena.
+    pub fn accept(&mut self, verified: usize, kept: usize) -> Result<(), ModelError> {
+        if kept == 0 || kept > verified || verified > self.len {
+            return Err(ModelError::Verify { verified, kept, held: self.len });
+        }
+        if self.slot.is_some() {
+            if self.snapshots.len() != verified {
+                return Err(ModelError::Verify { verified, kept, held: self.len });
+            }
+            if let (Some(slot), Some(snap)) = (self.slot.as_mut(), self.snapshots.get_mut(kept - 1)) {
+                std::mem::swap(slot, snap);
+            }
+        }
+        self.snapshots.clear();
+        let len = self.len - (verified - kept);
+        for l in self.ranks.iter_mut().flatten() {
+            if let LayerState::Mla(c) = l {
+                c.truncate(len);
+            }
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// The slot this state's KDA layers live in (its index is the slot-table entry).

@@ -111,8 +111,8 @@ impl KplHostBackend {
 }
 
 use kimi_kernels::{
-    Backend, ExpertMatrices, KdaInputs, KdaParams, Matrix, PackedMatrix, PagedRows, RouterParams, Routing, Selection,
-    SeqSpan, SituParams as Situ,
+    Backend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, Matrix, PackedMatrix, PagedRows, RouterParams, Routing,
+    Selection, SeqSpan, SituParams as Situ,
 };
 
 impl Backend for KplHostBackend {
@@ -172,6 +172,23 @@ impl Backend for KplHostBackend {
 
     fn add(&self, acc: &mut [f32], x: &[f32]) {
         self.cpu.add(acc, x)
+    }
+
+    fn silu_glu(&self, gate: &mut [f32], up: &[f32]) {
+        self.cpu.silu_glu(gate, up)
+    }
+
+    fn rope_interleaved(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        heads: usize,
+        head_stride: usize,
+        offset: usize,
+        inv_freq: &[f32],
+        magnitude: f32,
+    ) {
+        self.cpu.rope_interleaved(x, positions, heads, head_stride, offset, inv_freq, magnitude)
     }
 
     fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
@@ -253,13 +270,14 @@ impl Backend for KplHostBackend {
         p: &KdaParams<'_>,
         x: &KdaInputs<'_>,
         spans: &[SeqSpan],
-        slots: &mut [&mut [f32]],
+        slots: &mut [KdaSlot<'_>],
         out: &mut [f32],
     ) {
-        // The decode kernel takes one token a sequence; prefill chunks stay on the CPU backend.
+        // The decode kernel takes one token a sequence and keeps no snapshots; prefill chunks and
+        // speculative verifies stay on the CPU backend.
         let (h, n) = (p.heads, p.head_dim);
         let decode = !spans.is_empty() && spans.iter().enumerate().all(|(i, s)| s.len == 1 && s.start == i);
-        if !decode || n > 256 || slots.iter().any(|s| s.len() < h * n * n) {
+        if !decode || n > 256 || slots.iter().any(|s| s.state.len() < h * n * n || !s.after_token.is_empty()) {
             return self.cpu.kda_recurrence(p, x, spans, slots, out);
         }
         let seqs = spans.len();
@@ -272,7 +290,7 @@ impl Backend for KplHostBackend {
                 && p.dt_bias.len() >= width,
             "kda_recurrence: shapes"
         );
-        let table: Vec<u64> = slots.iter_mut().map(|s| addr(s.as_mut_ptr())).collect();
+        let table: Vec<u64> = slots.iter_mut().map(|s| addr(s.state.as_mut_ptr())).collect();
         let params = KdaDecodeParams {
             q: addr(x.q.as_ptr()),
             k: addr(x.k.as_ptr()),

@@ -7,7 +7,7 @@ use kimi_kernels::gpu::abi::{
     AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaConvParams, KdaDecodeParams, MoeRouteParams, RmsnormParams,
     SituParams,
 };
-use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Matrix, SituParams as Situ};
+use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, KdaSlot, Matrix, SituParams as Situ};
 use kimi_kpl_host::{Launch, addr};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -175,14 +175,14 @@ fn kda_decode_updates_each_slot_like_the_cpu_backend() {
     let mut want_states = states.clone();
     let mut want = vec![0f32; seqs * width];
     {
-        let mut slots: Vec<&mut [f32]> = want_states.iter_mut().map(|s| s.as_mut_slice()).collect();
+        let mut slots: Vec<KdaSlot<'_>> = want_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
         CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
     }
     for wave in WAVES {
         let mut got_states = states.clone();
         let mut got = vec![f32::NAN; seqs * width];
         {
-            let mut slots: Vec<&mut [f32]> = got_states.iter_mut().map(|s| s.as_mut_slice()).collect();
+            let mut slots: Vec<KdaSlot<'_>> = got_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
             KplHostBackend::new(wave).kda_recurrence(&p, &x, &spans, &mut slots, &mut got);
         }
         close(&got, &want, 1e-5, &format!("kda decode output, wave {wave}"));

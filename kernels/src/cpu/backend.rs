@@ -1,7 +1,8 @@
 //! The CPU backend: [`Backend`] on this crate's CPU kernels (one op per file beside this one).
 
 use crate::backend::{
-    Backend, ExpertMatrices, KdaInputs, KdaParams, PagedRows, RouterParams, Routing, Selection, SeqSpan, SituParams,
+    Backend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
+    SituParams,
 };
 use crate::{Matrix, PackedMatrix};
 
@@ -42,6 +43,23 @@ impl Backend for CpuBackend {
         super::elementwise::add(acc, x)
     }
 
+    fn silu_glu(&self, gate: &mut [f32], up: &[f32]) {
+        super::elementwise::silu_glu(gate, up)
+    }
+
+    fn rope_interleaved(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        heads: usize,
+        head_stride: usize,
+        offset: usize,
+        inv_freq: &[f32],
+        magnitude: f32,
+    ) {
+        super::rope::rope_interleaved(x, positions, heads, head_stride, offset, inv_freq, magnitude)
+    }
+
     fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
         super::elementwise::sigmoid_mul(x, gate)
     }
@@ -63,7 +81,7 @@ impl Backend for CpuBackend {
         p: &KdaParams<'_>,
         x: &KdaInputs<'_>,
         spans: &[SeqSpan],
-        slots: &mut [&mut [f32]],
+        slots: &mut [KdaSlot<'_>],
         out: &mut [f32],
     ) {
         super::kda_recurrence::kda_recurrence(p, x, spans, slots, out)

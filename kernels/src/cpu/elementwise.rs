@@ -15,6 +15,12 @@ pub fn add(acc: &mut [f32], x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
 }
 
+/// `gate ← SiLU(gate) · up` (SwiGLU).
+pub fn silu_glu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_glu: lengths differ");
+    gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u);
+}
+
 /// `x *= σ(gate)`.
 pub fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
     assert_eq!(x.len(), gate.len(), "sigmoid_mul: lengths differ");

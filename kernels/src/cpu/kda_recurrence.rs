@@ -2,7 +2,8 @@
 //! (sequence, head), then the recurrent step (one token) or the chunked form (a prefill chunk) on
 //! that sequence's recurrent slot. One rayon job per (sequence, head): each owns its head's matrix
 //! and writes its own (token, head) slices of the output; its gathered inputs live in buffers the
-//! worker thread keeps from job to job.
+//! worker thread keeps from job to job. A sequence with per-token snapshot buffers (a speculative
+//! verify) runs its tokens one recurrent step at a time and copies the head's state after each.
 
 use std::cell::RefCell;
 
@@ -12,7 +13,7 @@ use super::disjoint::DisjointOut;
 use super::elementwise::sigmoid;
 use super::kda::{kda_prefill, kda_step};
 use super::norm::l2_normalize;
-use crate::backend::{KdaInputs, KdaParams, SeqSpan};
+use crate::backend::{KdaInputs, KdaParams, KdaSlot, SeqSpan};
 
 /// One job's gathered head inputs (`[n, K]` each, β `[n]`) and output `[n, V]`.
 #[derive(Default)]
@@ -39,24 +40,39 @@ pub fn kda_recurrence(
     p: &KdaParams<'_>,
     x: &KdaInputs<'_>,
     spans: &[SeqSpan],
-    slots: &mut [&mut [f32]],
+    slots: &mut [KdaSlot<'_>],
     out: &mut [f32],
 ) {
     let (h, k) = (p.heads, p.head_dim);
     let width = h * k;
     let tokens: usize = spans.iter().map(|s| s.len).sum();
     assert!(out.len() >= tokens * width, "kda_recurrence: out has {} values", out.len());
-    let jobs: Vec<(SeqSpan, usize, &mut [f32])> = spans
-        .iter()
-        .zip(slots.iter_mut())
-        .filter(|(span, _)| span.len > 0)
-        .flat_map(|(span, slot)| slot.chunks_mut(k * k).enumerate().map(move |(hh, s)| (*span, hh, s)))
-        .collect();
+    // One job per (sequence, head): the head's matrix and its part of every snapshot.
+    type Job<'a> = (SeqSpan, usize, &'a mut [f32], Vec<&'a mut [f32]>);
+    let mut jobs: Vec<Job<'_>> = Vec::new();
+    for (span, slot) in spans.iter().zip(slots.iter_mut()).filter(|(span, _)| span.len > 0) {
+        let snaps = &mut slot.after_token;
+        assert!(
+            snaps.is_empty() || snaps.len() == span.len,
+            "kda_recurrence: {} snapshot buffers for {} tokens",
+            snaps.len(),
+            span.len
+        );
+        let mut per_head: Vec<Vec<&mut [f32]>> = (0..h).map(|_| Vec::with_capacity(snaps.len())).collect();
+        for snap in snaps.iter_mut() {
+            for (hh, part) in snap.chunks_mut(k * k).enumerate().take(h) {
+                per_head[hh].push(part);
+            }
+        }
+        for ((hh, s), snaps) in slot.state.chunks_mut(k * k).enumerate().take(h).zip(per_head) {
+            jobs.push((*span, hh, s, snaps));
+        }
+    }
     let scale = 1.0 / (k as f32).sqrt();
     let lb = p.lower_bound;
     // Every job writes only its own (token, head) slices of the output.
     let ptr = DisjointOut::new(out);
-    jobs.into_par_iter().for_each(|(span, hh, s)| {
+    jobs.into_par_iter().for_each(|(span, hh, s, mut snaps)| {
         HEAD.with(|b| {
             let b = &mut *b.borrow_mut();
             let n = span.len;
@@ -84,7 +100,13 @@ pub fn kda_recurrence(
                 bh[i] = sigmoid(x.beta_logits[t * h + hh]);
             }
             let o = resized(&mut b.o, n * k);
-            if n == 1 {
+            if !snaps.is_empty() {
+                for (i, snap) in snaps.iter_mut().enumerate() {
+                    let r = i * k..(i + 1) * k;
+                    kda_step(s, &qh[r.clone()], &kh[r.clone()], &vh[r.clone()], &gh[r.clone()], bh[i], &mut o[r]);
+                    snap.copy_from_slice(s);
+                }
+            } else if n == 1 {
                 kda_step(s, qh, kh, vh, gh, bh[0], o);
             } else {
                 kda_prefill(s, qh, kh, vh, gh, bh, o, k, k);

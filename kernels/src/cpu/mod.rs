@@ -24,5 +24,6 @@ pub mod mxfp4;
 pub mod norm;
 pub mod packed;
 pub mod reduce;
+pub mod rope;
 pub mod simd;
 pub mod situ;

@@ -91,7 +91,7 @@ fn check_model(name: &str, seed: u64) {
             let mut states: Vec<Option<&mut SequenceState>> = live.iter_mut().map(|s| Some(&mut s.state)).collect();
             let mut inputs: Vec<SeqInput<'_>> = ids_per
                 .iter()
-                .map(|(k, ids, lf)| SeqInput { ids, state: states[*k].take().expect("once per step"), logits: *lf })
+                .map(|(k, ids, lf)| SeqInput::new(ids, states[*k].take().expect("once per step"), *lf))
                 .collect();
             model.forward_batch(&mut inputs, None).expect("batched forward")
         };
@@ -161,9 +161,9 @@ fn a_repeated_step_allocates_no_new_buffers() {
         let (b, c) = rest.split_at_mut(1);
         let chunk = &prompt[round * 8..round * 8 + 8];
         let mut batch = [
-            SeqInput { ids: chunk, state: &mut a[0], logits: LogitsFor::LastToken },
-            SeqInput { ids: &[5], state: &mut b[0], logits: LogitsFor::LastToken },
-            SeqInput { ids: &[9], state: &mut c[0], logits: LogitsFor::LastToken },
+            SeqInput::new(chunk, &mut a[0], LogitsFor::LastToken),
+            SeqInput::new(&[5], &mut b[0], LogitsFor::LastToken),
+            SeqInput::new(&[9], &mut c[0], LogitsFor::LastToken),
         ];
         model.forward_batch(&mut batch, None).expect("step runs");
         created.push(model.scratch().created());

@@ -62,8 +62,8 @@ fn fp8_dense_layer_zero_is_within_the_rounding_bound_and_weights_halve() {
         let alone = fp8.forward(&prompt, &mut fp8.new_state(), LogitsFor::AllTokens, None).expect("alone");
         let (mut a, mut b) = (fp8.new_state(), fp8.new_state());
         let mut batch = [
-            SeqInput { ids: &prompt[..5], state: &mut b, logits: LogitsFor::LastToken },
-            SeqInput { ids: &prompt, state: &mut a, logits: LogitsFor::AllTokens },
+            SeqInput::new(&prompt[..5], &mut b, LogitsFor::LastToken),
+            SeqInput::new(&prompt, &mut a, LogitsFor::AllTokens),
         ];
         let mixed = fp8.forward_batch(&mut batch, None).expect("mixed");
         let d = max_abs_diff(&alone, &mixed[1]);

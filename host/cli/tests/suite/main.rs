@@ -8,6 +8,7 @@ mod batch;
 mod chat_parser;
 mod cli;
 mod constrained;
+mod dspark;
 mod engine;
 mod examples;
 mod fp8;

@@ -91,8 +91,8 @@ fn check_against_one_rank(dir: &Path, n: usize, prompt: &[u32]) -> (f32, f32) {
         let (mut a, mut b) = (m.new_state(), m.new_state());
         m.forward(&prompt[..3], &mut b, LogitsFor::LastToken, None).expect("b's prompt");
         let mut batch = [
-            SeqInput { ids: prompt, state: &mut a, logits: LogitsFor::AllTokens },
-            SeqInput { ids: &prompt[3..4], state: &mut b, logits: LogitsFor::LastToken },
+            SeqInput::new(prompt, &mut a, LogitsFor::AllTokens),
+            SeqInput::new(&prompt[3..4], &mut b, LogitsFor::LastToken),
         ];
         m.forward_batch(&mut batch, None).expect("mixed step")
     };

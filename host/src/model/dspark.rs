@@ -1,0 +1,575 @@
+//! The DSpark speculative draft (spec `k3-dspark-vision.md` A.1), in the
+//! `Inferact/Kimi-K3-DSpark` checkpoint layout: a few MLA decoder layers with YaRN RoPE and SwiGLU
+//! that read the target's tapped hidden states as context rows and propose a block of T tokens
+//! in one pass, then a rank-r Markov bias that walks the block left to right.
+//!
+//! One drafting round: the committed rows' target aux states become the draft's context rows
+//! (`context_proj` → `context_norm` → each layer's `kv_a_proj_with_mqa` → `[kv_a_layernorm(c) |
+//! RoPE(k_pe, p)]`, no `input_layernorm`); the block `[x0, mask × (T − 1)]` at positions
+//! P..P+T−1 runs pre-norm MLA layers whose queries see every context row and every block row
+//! (non-causal inside the block); `final_norm`; the target's LM head gives the base logits U,
+//! and `U[k−1] + W1[x_(k−1)] · W2ᵀ` scores draft k. The context rows live in pages of the
+//! target's latent page arena; the block's own rows are dropped after the pass.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use kimi_kernels::Backend;
+
+use super::checkpoint::Checkpoint;
+use super::error::ModelError;
+use super::forward::Model;
+use super::norm::rms_norm;
+use super::scratch::Scratch;
+use super::state::LatentCache;
+use super::trace::Trace;
+use super::weights::{CheckpointSource, TensorSource, Weight};
+
+/// `config.json` of a DSpark draft: the keys we read (the file has more).
+#[derive(Clone, Debug, Deserialize)]
+pub struct DsparkConfig {
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub mla_use_nope: bool,
+    pub mla_use_output_gate: bool,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub num_target_layers: usize,
+    pub target_hidden_size: usize,
+    pub target_num_hidden_layers: usize,
+    pub target_layer_ids: Vec<usize>,
+    pub mask_token_id: u32,
+    pub markov_rank: usize,
+    pub markov_head_type: String,
+    #[serde(default)]
+    pub enable_confidence_head: bool,
+    pub rope_parameters: RopeParameters,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct RopeParameters {
+    pub rope_type: String,
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub rope_theta: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    #[serde(default = "one")]
+    pub mscale: f64,
+    #[serde(default = "one")]
+    pub mscale_all_dim: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// DeepSeek-YaRN's attention-scale factor: `0.1 · m · ln(s) + 1` for a stretch `s > 1`.
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 }
+}
+
+/// The rotation of a draft's MLA: YaRN frequencies (DeepSeek's variant, as vLLM's
+/// `DeepseekScalingRotaryEmbedding` and ATOM's `deepseek_yarn` build them), the cos/sin
+/// magnitude and the softmax scale `(dn + dr)^−½ · mscale²`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Yarn {
+    pub inv_freq: Vec<f32>,
+    pub magnitude: f32,
+    pub softmax_scale: f32,
+}
+
+impl Yarn {
+    pub fn new(r: &RopeParameters, rope_dim: usize, nope_dim: usize) -> Yarn {
+        let dim = rope_dim as f64;
+        let base = r.rope_theta;
+        // The dimension whose wavelength fits `turns` rotations in the original context.
+        let correction = |turns: f64| {
+            dim * (r.original_max_position_embeddings / (turns * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+        };
+        let low = correction(r.beta_fast).floor().max(0.0);
+        let high = correction(r.beta_slow).ceil().min(dim - 1.0);
+        let high = if low == high { high + 0.001 } else { high };
+        let inv_freq = (0..rope_dim / 2)
+            .map(|i| {
+                let extrapolated = 1.0 / base.powf(2.0 * i as f64 / dim);
+                let interpolated = extrapolated / r.factor;
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                (interpolated * (1.0 - keep) + extrapolated * keep) as f32
+            })
+            .collect();
+        let m = yarn_mscale(r.factor, r.mscale_all_dim);
+        Yarn {
+            inv_freq,
+            magnitude: (yarn_mscale(r.factor, r.mscale) / m) as f32,
+            softmax_scale: ((nope_dim + rope_dim) as f64).powf(-0.5) as f32 * (m * m) as f32,
+        }
+    }
+}
+
+struct DraftLayer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    q_a: Weight,
+    q_a_norm: Vec<f32>,
+    q_b: Weight,
+    kv_a: Weight,
+    kv_a_norm: Vec<f32>,
+    kv_b: Weight,
+    o_proj: Weight,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+/// A loaded DSpark draft. The target's embedding table and LM head are shared, not copied.
+pub struct DsparkDraft {
+    pub config: DsparkConfig,
+    pub yarn: Yarn,
+    context_proj: Weight,
+    context_norm: Vec<f32>,
+    layers: Vec<DraftLayer>,
+    final_norm: Vec<f32>,
+    markov_w1: Weight,
+    markov_w2: Weight,
+    confidence: Option<(Weight, f32)>,
+    scratch: Scratch,
+    _checkpoint: Checkpoint,
+}
+
+/// The draft's per-sequence state: each layer's context rows (positions 0..P−1 of the committed
+/// tokens) in pages of the target's latent arena.
+#[derive(Debug)]
+pub struct DraftCache {
+    layers: Vec<LatentCache>,
+}
+
+impl DraftCache {
+    /// Context rows held (the committed positions the draft has seen).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Layer `i`'s rows, `[len, kv_lora_rank + qk_rope_head_dim]` (tools and tests).
+    pub fn rows(&self, layer: usize) -> Vec<f32> {
+        self.layers.get(layer).map(|l| l.rows()).unwrap_or_default()
+    }
+
+    /// Latent pages held over every layer.
+    pub fn pages(&self) -> usize {
+        self.layers.iter().map(|l| l.pages()).sum()
+    }
+
+    /// Forgets every row from `len` on (context rows of tokens a verify rejected).
+    pub fn truncate(&mut self, len: usize) {
+        self.layers.iter_mut().for_each(|l| l.truncate(len));
+    }
+}
+
+/// One block pass: the post-`final_norm` hidden `z` `[T, d]` and the base logits `U` `[T, V]`.
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub anchor: u32,
+    pub position: usize,
+    pub hidden: Vec<f32>,
+    pub base_logits: Vec<f32>,
+}
+
+/// A Markov walk over a block: the drafts, their biased logits and draft probabilities (at the
+/// walk's temperature; one-hot rows for a greedy walk are implied, not stored).
+#[derive(Clone, Debug, Default)]
+pub struct Walk {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub probs: Vec<f32>,
+}
+
+/// How a walk picks each draft token.
+#[derive(Clone, Copy, Debug)]
+pub enum Pick<'a> {
+    /// argmax, lowest index on ties (ATOM's default).
+    Greedy,
+    /// Inverse-CDF draws from `softmax(logits / temperature)`, one stored uniform per position.
+    Sample { temperature: f32, uniforms: &'a [f32] },
+}
+
+impl DsparkDraft {
+    /// Loads a draft from `dir` (`config.json` and its safetensors) for `target`, checking that it
+    /// was made for this target (hidden size, layer count, vocabulary, tapped layers) and that it
+    /// is the architecture implemented here.
+    pub fn load(dir: &Path, target: &Model) -> Result<DsparkDraft, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ModelError::Io { path: path.display().to_string(), source: e })?;
+        let mut de = serde_json::Deserializer::from_str(&text);
+        let config: DsparkConfig = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| ModelError::config(&format!("draft {}", e.path()), e.inner().to_string()))?;
+        let c = &config;
+        let t = target.text_config();
+        let check = |ok: bool, key: &str, msg: String| if ok { Ok(()) } else { Err(ModelError::config(key, msg)) };
+        check(
+            c.model_type == "k3_dspark",
+            "model_type",
+            format!("a DSpark draft is `k3_dspark`, not `{}`", c.model_type),
+        )?;
+        check(!c.mla_use_output_gate, "mla_use_output_gate", "the draft's MLA has no output gate here".into())?;
+        check(!c.mla_use_nope, "mla_use_nope", "the K3 DSpark draft's MLA uses RoPE".into())?;
+        check(
+            c.markov_head_type == "vanilla",
+            "markov_head_type",
+            format!("`{}` is not implemented", c.markov_head_type),
+        )?;
+        check(
+            c.rope_parameters.rope_type == "yarn",
+            "rope_parameters.rope_type",
+            format!("`{}` is not implemented (yarn is)", c.rope_parameters.rope_type),
+        )?;
+        check(
+            c.qk_rope_head_dim.is_multiple_of(2) && c.qk_rope_head_dim > 0,
+            "qk_rope_head_dim",
+            "must be even".into(),
+        )?;
+        check(
+            c.target_hidden_size == t.hidden_size,
+            "target_hidden_size",
+            format!("{} but the target's hidden size is {}", c.target_hidden_size, t.hidden_size),
+        )?;
+        check(
+            c.target_num_hidden_layers == t.num_layers,
+            "target_num_hidden_layers",
+            format!("{} but the target has {} layers", c.target_num_hidden_layers, t.num_layers),
+        )?;
+        check(
+            c.vocab_size == t.vocab_size && (c.mask_token_id as usize) < t.vocab_size,
+            "vocab_size",
+            format!("{} (mask {}) but the target's vocabulary is {}", c.vocab_size, c.mask_token_id, t.vocab_size),
+        )?;
+        check(
+            c.hidden_size == t.hidden_size,
+            "hidden_size",
+            format!("{}: the draft shares the target's embedding, whose width is {}", c.hidden_size, t.hidden_size),
+        )?;
+        check(
+            c.target_layer_ids.len() == c.num_target_layers
+                && !c.target_layer_ids.is_empty()
+                && c.target_layer_ids.iter().all(|&l| l + 1 < t.num_layers),
+            "target_layer_ids",
+            format!(
+                "{:?}: {} layers below the target's last ({}) expected",
+                c.target_layer_ids,
+                c.num_target_layers,
+                t.num_layers - 1
+            ),
+        )?;
+        let ck = Checkpoint::open(dir)?;
+        let mut src = CheckpointSource::new(&ck);
+        let (d, h) = (c.hidden_size, c.num_attention_heads);
+        let (dn, dr, dv, r) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let n = |s: &str| format!("layers.{i}.{s}");
+            layers.push(DraftLayer {
+                input_norm: src.vector(&n("input_layernorm.weight"), &[d])?,
+                post_norm: src.vector(&n("post_attention_layernorm.weight"), &[d])?,
+                q_a: src.matrix(&n("self_attn.q_a_proj.weight"), c.q_lora_rank, d)?,
+                q_a_norm: src.vector(&n("self_attn.q_a_layernorm.weight"), &[c.q_lora_rank])?,
+                q_b: src.matrix(&n("self_attn.q_b_proj.weight"), h * (dn + dr), c.q_lora_rank)?,
+                kv_a: src.matrix(&n("self_attn.kv_a_proj_with_mqa.weight"), r + dr, d)?,
+                kv_a_norm: src.vector(&n("self_attn.kv_a_layernorm.weight"), &[r])?,
+                kv_b: src.matrix(&n("self_attn.kv_b_proj.weight"), h * (dn + dv), r)?,
+                o_proj: src.matrix(&n("self_attn.o_proj.weight"), d, h * dv)?,
+                gate: src.matrix(&n("mlp.gate_proj.weight"), c.intermediate_size, d)?,
+                up: src.matrix(&n("mlp.up_proj.weight"), c.intermediate_size, d)?,
+                down: src.matrix(&n("mlp.down_proj.weight"), d, c.intermediate_size)?,
+            });
+        }
+        let confidence = if c.enable_confidence_head {
+            let w = src.matrix("confidence_head.proj.weight", 1, d + c.markov_rank)?;
+            let b = src.vector("confidence_head.proj.bias", &[1])?;
+            Some((w, b[0]))
+        } else {
+            None
+        };
+        let mut draft = DsparkDraft {
+            yarn: Yarn::new(&c.rope_parameters, dr, dn),
+            context_proj: src.matrix("context_proj.weight", d, c.num_target_layers * c.target_hidden_size)?,
+            context_norm: src.vector("context_norm.weight", &[d])?,
+            layers,
+            final_norm: src.vector("final_norm.weight", &[d])?,
+            markov_w1: src.matrix("markov_head.markov_w1.weight", c.vocab_size, c.markov_rank)?,
+            markov_w2: src.matrix("markov_head.markov_w2.weight", c.vocab_size, c.markov_rank)?,
+            confidence,
+            scratch: Scratch::new(),
+            config: config.clone(),
+            _checkpoint: ck,
+        };
+        // The draft's products run through the target's backend, in its layout.
+        let be = target.backend();
+        for l in &mut draft.layers {
+            for w in [&mut l.q_a, &mut l.q_b, &mut l.kv_a, &mut l.o_proj, &mut l.gate, &mut l.up, &mut l.down] {
+                w.prepare(be);
+            }
+        }
+        draft.context_proj.prepare(be);
+        draft.markov_w2.prepare(be);
+        if target.default_arenas().pages.slot_floats() < super::state::PAGE_TOKENS * draft.row_width() {
+            return Err(ModelError::config(
+                "kv_lora_rank",
+                format!("draft rows of {} values do not fit the target's latent pages", draft.row_width()),
+            ));
+        }
+        Ok(draft)
+    }
+
+    /// Values of one context row: `[c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`.
+    pub fn row_width(&self) -> usize {
+        self.config.kv_lora_rank + self.config.qk_rope_head_dim
+    }
+
+    /// Target layers whose outputs the draft reads.
+    pub fn taps(&self) -> &[usize] {
+        &self.config.target_layer_ids
+    }
+
+    /// A fresh cache whose pages come from the target's latent page arena.
+    pub fn new_cache(&self, target: &Model) -> Result<DraftCache, ModelError> {
+        let arena = &target.default_arenas().pages;
+        let layers = (0..self.layers.len())
+            .map(|_| LatentCache::in_pages(arena, self.row_width()))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ModelError::config("kv_lora_rank", "draft rows do not fit the target's latent pages"))?;
+        Ok(DraftCache { layers })
+    }
+
+    /// `[c | k_pe]` of `x` (`[n, d]`) through layer `l`'s `kv_a_proj_with_mqa`, normed and turned
+    /// to `positions`.
+    fn latent_rows(&self, be: &dyn Backend, l: &DraftLayer, x: &[f32], positions: &[usize]) -> Vec<f32> {
+        let (r, dr) = (self.config.kv_lora_rank, self.config.qk_rope_head_dim);
+        let n = positions.len();
+        let sc = &self.scratch;
+        let mut kv = l.kv_a.matmul(be, sc, x, n).to_vec();
+        let mut c = vec![0f32; n * r];
+        for (dst, row) in c.chunks_exact_mut(r).zip(kv.chunks_exact(r + dr)) {
+            dst.copy_from_slice(&row[..r]);
+        }
+        let c = rms_norm(be, sc, &c, &l.kv_a_norm, self.config.rms_norm_eps);
+        be.rope_interleaved(&mut kv, positions, 1, r + dr, r, &self.yarn.inv_freq, self.yarn.magnitude);
+        for (row, c) in kv.chunks_exact_mut(r + dr).zip(c.chunks_exact(r)) {
+            row[..r].copy_from_slice(c);
+        }
+        kv
+    }
+
+    /// Appends context rows for the next committed positions from their target aux states
+    /// (`[n, taps · d_target]`, in tap order). Returns `context_norm(context_proj(aux))`.
+    pub fn extend_context(
+        &self,
+        target: &Model,
+        cache: &mut DraftCache,
+        aux: &[f32],
+        trace: Option<&mut Trace>,
+        prefix: &str,
+    ) -> Result<Vec<f32>, ModelError> {
+        let be = target.backend();
+        let sc = &self.scratch;
+        let width = self.config.num_target_layers * self.config.target_hidden_size;
+        if width == 0 || !aux.len().is_multiple_of(width) {
+            return Err(ModelError::config(
+                "target_layer_ids",
+                format!("aux rows of {} values are not [n, {width}]", aux.len()),
+            ));
+        }
+        let n = aux.len() / width;
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + n).collect();
+        let ctx =
+            rms_norm(be, sc, &self.context_proj.matmul(be, sc, aux, n), &self.context_norm, self.config.rms_norm_eps)
+                .to_vec();
+        let (r, w) = (self.config.kv_lora_rank, self.row_width());
+        for (l, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let rows = self.latent_rows(be, l, &ctx, &positions);
+            for row in rows.chunks_exact(w) {
+                cache.push(&row[..r], &row[r..], &[])?;
+            }
+        }
+        if let Some(tr) = trace {
+            tr.f32(format!("{prefix}context_hidden"), &[n, self.config.hidden_size], &ctx);
+        }
+        Ok(ctx)
+    }
+
+    /// The block pass for anchor `x0` at position P = `cache.len()`: `[x0, mask × (t − 1)]` at
+    /// P..P+t−1 through every layer (queries see all context rows and all block rows), then
+    /// `final_norm` and the target's LM head. The block's rows are not kept.
+    pub fn block(
+        &self,
+        target: &Model,
+        cache: &mut DraftCache,
+        anchor: u32,
+        t: usize,
+        mut trace: Option<&mut Trace>,
+        prefix: &str,
+    ) -> Result<Block, ModelError> {
+        let c = &self.config;
+        let be = target.backend();
+        let sc = &self.scratch;
+        let (d, h, eps) = (c.hidden_size, c.num_attention_heads, c.rms_norm_eps);
+        let (dn, dr, dv, r) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let p = cache.len();
+        if t == 0 {
+            return Err(ModelError::config("num_speculative_tokens", "a block needs at least one token"));
+        }
+        let ids: Vec<u32> = std::iter::once(anchor).chain(std::iter::repeat_n(c.mask_token_id, t - 1)).collect();
+        let positions: Vec<usize> = (p..p + t).collect();
+        target.check(&ids, p)?;
+        let mut hidden = target.embed(&ids)?;
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.i64(format!("{prefix}block_input_ids"), &[t], ids.iter().map(|&x| x as i64).collect());
+            tr.i64(format!("{prefix}block_positions"), &[t], positions.iter().map(|&x| x as i64).collect());
+        }
+        let w = self.row_width();
+        let result = (|| {
+            for (i, (l, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+                let a = rms_norm(be, sc, &hidden, &l.input_norm, eps);
+                let c_q = rms_norm(be, sc, &l.q_a.matmul(be, sc, &a, t), &l.q_a_norm, eps);
+                let mut q = l.q_b.matmul(be, sc, &c_q, t).to_vec();
+                be.rope_interleaved(&mut q, &positions, h, dn + dr, dn, &self.yarn.inv_freq, self.yarn.magnitude);
+                let rows = self.latent_rows(be, l, &a, &positions);
+                for row in rows.chunks_exact(w) {
+                    lc.push(&row[..r], &row[r..], &[])?;
+                }
+                let mut q_abs = sc.for_overwrite(t * h * w);
+                be.mla_absorb(&l.kv_b.m(), h, dn, dv, t, &q, &mut q_abs);
+                // Every block query sees the whole block: the last block position bounds them all.
+                let seen: Vec<(usize, usize)> = vec![(0, p + t - 1); t];
+                let mut ctx = sc.zeroed(t * h * r);
+                be.mla_attention(&q_abs, h, r, self.yarn.softmax_scale, &seen, &[lc.rows_view()], None, &mut ctx, None);
+                let mut o = sc.for_overwrite(t * h * dv);
+                be.mla_lift(&l.kv_b.m(), h, dn, dv, t, &ctx, &mut o);
+                let attn = l.o_proj.matmul(be, sc, &o, t);
+                be.add(&mut hidden, &attn);
+                let x = rms_norm(be, sc, &hidden, &l.post_norm, eps);
+                let mut g = l.gate.matmul(be, sc, &x, t);
+                be.silu_glu(&mut g, &l.up.matmul(be, sc, &x, t));
+                be.add(&mut hidden, &l.down.matmul(be, sc, &g, t));
+                lc.truncate(p);
+                if let Some(tr) = trace.as_deref_mut() {
+                    tr.f32(format!("{prefix}layer{i}.block_rows"), &[t, w], &rows);
+                    tr.f32(format!("{prefix}layer{i}.attn_output"), &[t, d], &attn);
+                    tr.f32(format!("{prefix}layer{i}.hidden_out"), &[t, d], &hidden);
+                }
+            }
+            Ok(())
+        })();
+        // A failure part-way must not leave block rows behind.
+        cache.truncate(p);
+        result?;
+        let z = rms_norm(be, sc, &hidden, &self.final_norm, eps).to_vec();
+        let base_logits = target.lm_head(&z, t)?;
+        if let Some(tr) = trace {
+            tr.f32(format!("{prefix}final_hidden"), &[t, d], &z);
+            tr.f32(format!("{prefix}base_logits"), &[t, c.vocab_size], &base_logits);
+        }
+        Ok(Block { anchor, position: p, hidden: z, base_logits })
+    }
+
+    /// `W1[prev]` (`[markov_rank]`).
+    fn markov_row(&self, be: &dyn Backend, prev: u32) -> Vec<f32> {
+        let mut row = vec![0f32; self.config.markov_rank];
+        be.embedding(&self.markov_w1.m(), &[prev], &mut row);
+        row
+    }
+
+    /// The Markov bias after `prev`: `W1[prev] · W2ᵀ` (`[V]`).
+    pub fn markov_bias(&self, be: &dyn Backend, prev: u32) -> Vec<f32> {
+        let row = self.markov_row(be, prev);
+        self.markov_w2.matmul(be, &self.scratch, &row, 1).to_vec()
+    }
+
+    /// Walks the block: for k = 1..T, logits `U[k−1] + bias(x_(k−1))` and x_k picked by `pick`.
+    pub fn walk(&self, be: &dyn Backend, block: &Block, pick: Pick<'_>) -> Result<Walk, ModelError> {
+        let v = self.config.vocab_size;
+        let t = block.base_logits.len() / v;
+        let mut walk = Walk::default();
+        let mut prev = block.anchor;
+        for k in 0..t {
+            let mut logits = block.base_logits[k * v..(k + 1) * v].to_vec();
+            be.add(&mut logits, &self.markov_bias(be, prev));
+            let (probs, next) = match pick {
+                Pick::Greedy => {
+                    (crate::engine::speculative::softmax(&logits, 1.0), crate::engine::speculative::argmax(&logits))
+                }
+                Pick::Sample { temperature, uniforms } => {
+                    let u = *uniforms.get(k).ok_or_else(|| {
+                        ModelError::config("uniforms", format!("{} uniforms for a block of {t}", uniforms.len()))
+                    })?;
+                    let probs = crate::engine::speculative::softmax(&logits, temperature);
+                    let next = crate::engine::speculative::sample_with_uniform(&probs, u);
+                    (probs, next)
+                }
+            };
+            walk.logits.extend_from_slice(&logits);
+            walk.probs.extend_from_slice(&probs);
+            walk.tokens.push(next as u32);
+            prev = next as u32;
+        }
+        Ok(walk)
+    }
+
+    /// Confidence logits `c_k = w · [z_k ; W1[x_(k−1)]] + b` along a walk (DeepSpec's input
+    /// convention; informational: ATOM and vLLM skip this head), or `None` without the head.
+    pub fn confidence(&self, be: &dyn Backend, block: &Block, walk: &Walk) -> Option<Vec<f32>> {
+        let (w, b) = self.confidence.as_ref()?;
+        let d = self.config.hidden_size;
+        let mut prev = block.anchor;
+        let mut out = Vec::with_capacity(walk.tokens.len());
+        for (k, &x) in walk.tokens.iter().enumerate() {
+            let mut input = block.hidden[k * d..(k + 1) * d].to_vec();
+            input.extend(self.markov_row(be, prev));
+            out.push(w.matmul(be, &self.scratch, &input, 1)[0] + b);
+            prev = x;
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yarn_matches_the_deepseek_formula_on_the_release_parameters() {
+        let r = RopeParameters {
+            rope_type: "yarn".into(),
+            factor: 32.0,
+            original_max_position_embeddings: 32768.0,
+            rope_theta: 50000.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 1.0,
+        };
+        // Values the dspark-tiny case records (rotary dim 8), and its softmax scale.
+        let y = Yarn::new(&r, 8, 16);
+        let want = [1.0f32, 0.066_874_03, 0.003_028_008_6, 0.000_105_920_54];
+        for (g, w) in y.inv_freq.iter().zip(want) {
+            assert!((g - w).abs() <= w * 1e-6, "{g} vs {w}");
+        }
+        assert_eq!(y.magnitude, 1.0);
+        assert!((y.softmax_scale - 0.370_130_23).abs() < 1e-7, "{}", y.softmax_scale);
+    }
+}
