@@ -268,6 +268,12 @@ struct ServeOverrides {
     /// Where the model runs: cpu, hip, cuda or auto (sets `backend`).
     #[arg(long)]
     backend: Option<String>,
+    /// A DSpark draft directory: speculative decoding (sets `draft`).
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Draft tokens verified per step (sets `num_speculative_tokens`; default 4).
+    #[arg(long)]
+    num_speculative_tokens: Option<usize>,
 }
 
 #[derive(Subcommand)]
@@ -438,6 +444,12 @@ fn server_state(
     cfg.expert_parallel |= over.expert_parallel;
     if over.backend.is_some() {
         cfg.backend = over.backend;
+    }
+    if over.draft.is_some() {
+        cfg.draft = over.draft;
+    }
+    if over.num_speculative_tokens.is_some() {
+        cfg.num_speculative_tokens = over.num_speculative_tokens;
     }
     cfg.validate()?;
     if let Some(t) = cfg.threads {

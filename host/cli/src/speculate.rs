@@ -190,7 +190,7 @@ pub fn run_case(model: &Model, draft: &DsparkDraft, case_dir: &Path) -> Result<T
     let mut greedy_round1: Option<(Vec<u32>, Vec<f32>)> = None;
     for mode in ["greedy", "sample"] {
         let mut state = prefilled.fork()?;
-        let mut cache: DraftCache = draft.new_cache(model)?;
+        let mut cache: DraftCache = draft.new_cache(&model.default_arenas().pages)?;
         let mut anchor = first_anchor;
         let mut new_aux = aux.clone();
         for round in 1..=rounds {
@@ -207,7 +207,7 @@ pub fn run_case(model: &Model, draft: &DsparkDraft, case_dir: &Path) -> Result<T
             // 3. Context rows for the newly committed positions.
             draft.extend_context(model, &mut cache, &new_aux, rec.as_deref_mut(), &block_pre)?;
             if let Some(tr) = rec.as_deref_mut() {
-                for i in 0..cache_layers(draft) {
+                for i in 0..draft.layers() {
                     let rows = cache.rows(i);
                     tr.f32(format!("{block_pre}layer{i}.context_rows"), &[cache.len(), draft.row_width()], &rows);
                 }
@@ -304,10 +304,6 @@ pub fn run_case(model: &Model, draft: &DsparkDraft, case_dir: &Path) -> Result<T
     tr.f32("greedy_draft_t1.u_final", &[u_final.len()], &u_final);
     record_verdict(&mut tr, "greedy_draft_t1.", &verdict, &drafts);
     Ok(tr)
-}
-
-fn cache_layers(draft: &DsparkDraft) -> usize {
-    draft.config.num_hidden_layers
 }
 
 /// Writes every tensor of `tr` to `out` (F32 and I64, the golden's dtypes).

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::grammar::ConstraintMatcher;
 use crate::model::Model;
+use crate::model::dspark::DsparkDraft;
 use pool::{StatePool, StateShape};
 pub use sampler::{Sampler, SamplerError, SamplerErrorKind, SamplerRequest, SamplerSeq, SharedSampler};
 
@@ -37,9 +38,26 @@ pub struct EngineConfig {
     pub queue_timeout: Duration,
     /// Most requests waiting for state; more are refused at once.
     pub max_waiting: usize,
+    /// Speculative decoding with a DSpark draft (`--draft`), or `None`.
+    pub speculation: Option<Speculation>,
     /// Test hook: runs before every model call and every sampling pass and may panic, to
     /// simulate a fault inside a kernel. Only code can set it (not the config file).
     pub fault_probe: Option<FaultProbe>,
+}
+
+/// A draft that proposes `tokens` tokens a step for every decoding sequence; the target verifies
+/// them inside the normal batched step (see `step.rs`: sample-and-match keeps the output exactly
+/// the non-speculative one).
+#[derive(Clone)]
+pub struct Speculation {
+    pub draft: Arc<DsparkDraft>,
+    pub tokens: usize,
+}
+
+impl std::fmt::Debug for Speculation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Speculation").field("draft_layers", &self.draft.layers()).field("tokens", &self.tokens).finish()
+    }
 }
 
 /// Where the engine calls its [`FaultProbe`].
@@ -72,6 +90,7 @@ impl Default for EngineConfig {
             state_memory: 1 << 30,
             queue_timeout: Duration::from_secs(10),
             max_waiting: 256,
+            speculation: None,
             fault_probe: None,
         }
     }
@@ -197,6 +216,11 @@ pub struct EngineStats {
     pub steps: AtomicU64,
     pub prefill_tokens: AtomicU64,
     pub decode_tokens: AtomicU64,
+    /// Speculative decoding: verify rounds, draft tokens proposed, and those accepted (each
+    /// round also emits one token of the target's own).
+    pub spec_rounds: AtomicU64,
+    pub spec_proposed: AtomicU64,
+    pub spec_accepted: AtomicU64,
     pub cancelled: AtomicU64,
     pub pool_timeouts: AtomicU64,
     /// Panics caught inside engine steps.
@@ -257,12 +281,18 @@ pub struct Engine {
 impl Engine {
     /// Sizes the pool and starts the engine thread.
     pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Arc<Engine>, EngineStartError> {
-        let shape = StateShape::of(model.rank_config(), model.ranks().len(), model.cache_replicas());
-        let pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
+        let mut shape = StateShape::of(model.rank_config(), model.ranks().len(), model.cache_replicas());
+        // A draft's context rows take pages of the same arena, one per draft layer per pool page.
+        let (draft_pages, spec_tokens) = match &config.speculation {
+            Some(s) => (s.draft.layers(), s.tokens),
+            None => (0, 0),
+        };
+        shape.page_bytes += draft_pages * 4 * crate::model::state::latent_page_floats(model.rank_config());
+        let pool = StatePool::speculative(shape, config.state_memory, config.max_seqs.max(1), 64, spec_tokens)?;
         let stats = Arc::new(EngineStats::default());
         stats.total_slots.store(pool.total_slots, Ordering::Relaxed);
         stats.total_pages.store(pool.total_pages, Ordering::Relaxed);
-        let empty_pool = StatePool::new(shape, config.state_memory, config.max_seqs.max(1), 64)?;
+        let empty_pool = StatePool::speculative(shape, config.state_memory, config.max_seqs.max(1), 64, spec_tokens)?;
         let max_context = model.text_config().max_position_embeddings;
         let backend = match model.ranks().len() {
             1 => model.backend().describe(),
@@ -274,7 +304,9 @@ impl Engine {
         };
         let (tx, rx) = mpsc::channel();
         // The state arenas: as many KDA slots and latent pages as the pool can grant, set aside now.
-        let arenas = model.state_arenas(pool.total_slots, pool.total_pages).map_err(EngineStartError::StateMemory)?;
+        let arenas = model
+            .state_arenas_with(pool.total_slots, pool.total_pages, draft_pages)
+            .map_err(EngineStartError::StateMemory)?;
         // The step buffers, sized now for the largest step the budget allows.
         model.warm_up(config.max_batched_tokens, config.max_seqs).map_err(EngineStartError::WarmUp)?;
         let worker = step::Worker::new(model, config.clone(), pool, stats.clone(), arenas);

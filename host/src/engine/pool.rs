@@ -58,6 +58,8 @@ pub struct StatePool {
     pub total_slots: usize,
     /// Pages the budget would hold with no slots taken (an upper bound, for metrics).
     pub total_pages: usize,
+    /// Speculative tokens a sequence verifies per step (0: no speculation).
+    spec_tokens: usize,
     used_slots: usize,
     used_pages: usize,
 }
@@ -70,22 +72,46 @@ impl StatePool {
         max_seqs: usize,
         min_tokens: usize,
     ) -> Result<StatePool, PoolError> {
-        let need_one = shape.slot_bytes + StateShape::pages_for(min_tokens) * shape.page_bytes;
+        StatePool::speculative(shape, budget_bytes, max_seqs, min_tokens, 0)
+    }
+
+    /// A pool for sequences that verify `spec_tokens` drafts a step: each also holds one KDA
+    /// snapshot slot per verified token (`spec_tokens + 1`) and pages for `spec_tokens` rows past
+    /// its end (a verify writes them before the rejected ones are dropped).
+    pub fn speculative(
+        shape: StateShape,
+        budget_bytes: usize,
+        max_seqs: usize,
+        min_tokens: usize,
+        spec_tokens: usize,
+    ) -> Result<StatePool, PoolError> {
+        let per_seq = StatePool::slots_per_seq(spec_tokens);
+        let need_one = per_seq * shape.slot_bytes + StateShape::pages_for(min_tokens + spec_tokens) * shape.page_bytes;
         if budget_bytes < need_one {
             return Err(PoolError::TooSmall { budget: budget_bytes, tokens: min_tokens, need: need_one });
         }
-        let total_slots = max_seqs.min(budget_bytes / shape.slot_bytes.max(1)).max(1);
+        let total_slots = max_seqs.saturating_mul(per_seq).min(budget_bytes / shape.slot_bytes.max(1)).max(per_seq);
         let total_pages = budget_bytes / shape.page_bytes.max(1);
-        Ok(StatePool { shape, budget_bytes, total_slots, total_pages, used_slots: 0, used_pages: 0 })
+        Ok(StatePool { shape, budget_bytes, total_slots, total_pages, spec_tokens, used_slots: 0, used_pages: 0 })
+    }
+
+    /// KDA slots one sequence holds: its own, plus a snapshot per verified token when speculating.
+    fn slots_per_seq(spec_tokens: usize) -> usize {
+        if spec_tokens == 0 { 1 } else { spec_tokens + 2 }
     }
 
     /// The reservation for `n` sequences sharing a `prompt`-token prefill and generating up to
     /// `max_tokens` each: the prompt's full pages once (the forks share them), and per sequence
-    /// the pages from the prompt's partly filled last page (which each fork copies) to its end.
+    /// the pages from the prompt's partly filled last page (which each fork copies) to its end —
+    /// plus, when speculating, the snapshot slots and the pages of the verify's overshoot.
     pub fn reservation(&self, n: usize, prompt: usize, max_tokens: usize) -> Reservation {
         let shared = prompt / PAGE_TOKENS;
-        let own = StateShape::pages_for(prompt.saturating_add(max_tokens)).saturating_sub(shared);
-        Reservation { slots: n, pages: shared.saturating_add(n.saturating_mul(own)) }
+        let end = prompt.saturating_add(max_tokens).saturating_add(self.spec_tokens);
+        let own = StateShape::pages_for(end).saturating_sub(shared);
+        Reservation {
+            slots: n.saturating_mul(StatePool::slots_per_seq(self.spec_tokens)),
+            pages: shared.saturating_add(n.saturating_mul(own)),
+        }
     }
 
     fn bytes(&self, r: Reservation) -> usize {
@@ -164,5 +190,15 @@ mod tests {
         assert!(!q.try_reserve(big), "budget exhausted");
         assert!(!q.could_fit(q.reservation(1, 40 * PAGE_TOKENS, 1)));
         assert!(StatePool::new(shape, 500, 4, 16).is_err());
+    }
+
+    #[test]
+    fn speculating_sequences_reserve_their_snapshots_and_overshoot() {
+        let shape = StateShape { slot_bytes: 1000, page_bytes: 100 };
+        let p = StatePool::speculative(shape, 100_000, 4, 16, 3).expect("fits");
+        // A slot and 3 + 1 snapshots per sequence; pages up to prompt + max_tokens + 3.
+        assert_eq!(p.reservation(1, 30, 3), Reservation { slots: 5, pages: 3 });
+        assert_eq!(p.reservation(2, 32, 0), Reservation { slots: 10, pages: 2 + 2 });
+        assert_eq!(p.total_slots, 4 * 5, "max_seqs counts sequences, not their snapshots");
     }
 }

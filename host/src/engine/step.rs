@@ -17,7 +17,9 @@ use super::{
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
-use crate::model::{LogitsFor, Model, SeqInput, SequenceState, StateArenas};
+use crate::model::batch::AuxTap;
+use crate::model::dspark::{DraftCache, DsparkDraft, Pick};
+use crate::model::{LogitsFor, Model, ModelError, SeqInput, SequenceState, StateArenas};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
@@ -30,6 +32,48 @@ struct Seq {
     /// The token to feed next (None until the first one is sampled).
     next: Option<u32>,
     done: bool,
+    /// Speculative decoding: the draft's side of this sequence (None without a draft).
+    spec: Option<SpecSeq>,
+}
+
+/// One sequence's speculative state.
+struct SpecSeq {
+    /// The draft's context rows (one per committed token it has read).
+    cache: DraftCache,
+    /// Target aux rows of committed tokens the draft has not read yet.
+    pending: Vec<f32>,
+    /// This step's input: `[next, drafts…]` (just `[next]` when nothing is proposed).
+    ids: Vec<u32>,
+    /// This step's aux rows, one per input token.
+    aux: Vec<f32>,
+    /// `generated` before this step.
+    generated_before: usize,
+}
+
+impl SpecSeq {
+    fn drafts(&self) -> &[u32] {
+        self.ids.get(1..).unwrap_or(&[])
+    }
+}
+
+/// Reads the committed rows' aux states into the draft's context, then proposes `t` tokens
+/// after `anchor` (a greedy Markov walk: the likeliest block, so the most of it matches).
+fn propose(
+    draft: &DsparkDraft,
+    model: &Model,
+    sp: &mut SpecSeq,
+    anchor: u32,
+    t: usize,
+) -> Result<Vec<u32>, ModelError> {
+    if !sp.pending.is_empty() {
+        draft.extend_context(model, &mut sp.cache, &sp.pending, None, "")?;
+        sp.pending.clear();
+    }
+    if t == 0 {
+        return Ok(Vec::new());
+    }
+    let block = draft.block(model, &mut sp.cache, anchor, t, None, "")?;
+    Ok(draft.walk(model.backend(), &block, Pick::Greedy)?.tokens)
 }
 
 /// A request that holds state from the pool.
@@ -63,6 +107,13 @@ struct Entry {
     run: usize,
     seq: Option<usize>,
     tokens: usize,
+}
+
+/// A speculative verify's logits, `[1 + drafts, V]`, for the rounds after the first.
+struct Verify {
+    run: usize,
+    seq: usize,
+    logits: Vec<f32>,
 }
 
 /// A row to sample: (request, sequence) and its logits.
@@ -304,6 +355,22 @@ impl Worker {
                 return Err((tx, EngineError::Fault(format!("state slot: {e}"))));
             }
         };
+        // Sequence 0 reads the prompt's aux rows into its draft context; forks share its pages.
+        let mut spec0 = match &self.config.speculation {
+            Some(sp) => match sp.draft.new_cache(&self.arenas.pages) {
+                Ok(cache) => {
+                    Some(SpecSeq { cache, pending: Vec::new(), ids: Vec::new(), aux: Vec::new(), generated_before: 0 })
+                }
+                Err(e) => {
+                    let mut sampler = req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
+                    for h in handles {
+                        sampler.close(h);
+                    }
+                    return Err((tx, EngineError::Fault(format!("draft cache: {e}"))));
+                }
+            },
+            None => None,
+        };
         let seqs = handles
             .into_iter()
             .enumerate()
@@ -316,6 +383,7 @@ impl Worker {
                 generated: 0,
                 next: None,
                 done: false,
+                spec: if i == 0 { spec0.take() } else { None },
             })
             .collect();
         Ok(Running { req, tx, cancel, reservation: res, prefilled: 0, seqs })
@@ -326,7 +394,9 @@ impl Worker {
         let started = Instant::now();
         let step = self.stats.steps.fetch_add(1, Ordering::Relaxed) + 1;
         let decoding: usize = self.running.iter().filter(|r| !r.in_prefill()).map(Running::live).sum();
-        let mut budget = self.config.max_batched_tokens.saturating_sub(decoding).max(1);
+        // A speculating sequence runs its token and up to `tokens` drafts.
+        let per_seq = 1 + self.config.speculation.as_ref().map_or(0, |s| s.tokens);
+        let mut budget = self.config.max_batched_tokens.saturating_sub(decoding * per_seq).max(1);
         // Prefill chunks, oldest request first, within the step's token budget.
         let mut prefill: Vec<(usize, usize)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
@@ -342,6 +412,7 @@ impl Worker {
         let model = self.model.clone();
         let mut rows: Vec<Row> = Vec::new();
         let mut failures: Vec<(usize, Option<usize>, EngineError)> = Vec::new();
+        let mut verifies: Vec<Verify> = Vec::new();
         let prefill_tokens: usize = prefill.iter().map(|p| p.1).sum();
 
         // One batch for the whole step: a token per decoding sequence, then the prefill chunks.
@@ -350,6 +421,8 @@ impl Worker {
         let mut entries: Vec<Entry> = Vec::new();
         let mut inputs: Vec<SeqInput<'_>> = Vec::new();
         let probe = &self.config.fault_probe;
+        let speculation = self.config.speculation.clone();
+        let max_context = model.text_config().max_position_embeddings;
         let mut chunks = prefill.iter().copied().peekable();
         for (ri, r) in self.running.iter_mut().enumerate() {
             let Running { req, seqs, prefilled, .. } = r;
@@ -364,14 +437,51 @@ impl Worker {
                 let Some(take) = take else { continue };
                 let entry = Entry { run: ri, seq: None, tokens: take };
                 let ids = &req.prompt[*prefilled..*prefilled + take];
-                vec![admit(&model, probe, entry, SeqInput::new(ids, &mut seqs[0].state, LogitsFor::LastToken))]
+                let Seq { state, spec, .. } = &mut seqs[0];
+                let mut input = SeqInput::new(ids, state, LogitsFor::LastToken);
+                if let (Some(sp), Some(spec)) = (&speculation, spec.as_mut()) {
+                    // The prompt's rows become the draft's first context rows.
+                    input.aux = Some(AuxTap { layers: sp.draft.taps(), rows: &mut spec.pending });
+                }
+                vec![admit(&model, probe, entry, input)]
             } else {
+                let max_tokens = req.max_tokens;
                 seqs.iter_mut()
                     .filter(|s| !s.done)
                     .filter_map(|s| {
-                        let entry = Entry { run: ri, seq: Some(s.index), tokens: 1 };
-                        let ids = std::slice::from_ref(s.next.as_ref()?);
-                        Some(admit(&model, probe, entry, SeqInput::new(ids, &mut s.state, LogitsFor::LastToken)))
+                        let Seq { index, state, spec, generated, next, .. } = s;
+                        let (Some(sp), Some(spec)) = (&speculation, spec.as_mut()) else {
+                            let entry = Entry { run: ri, seq: Some(*index), tokens: 1 };
+                            let ids = std::slice::from_ref(next.as_ref()?);
+                            return Some(admit(&model, probe, entry, SeqInput::new(ids, state, LogitsFor::LastToken)));
+                        };
+                        let next = (*next)?;
+                        // Drafts past max_tokens or the context would never be emitted.
+                        let room =
+                            max_tokens.saturating_sub(*generated + 1).min(max_context.saturating_sub(state.len + 1));
+                        let t = sp.tokens.min(room);
+                        let entry = Entry { run: ri, seq: Some(*index), tokens: 1 + t };
+                        let proposed = contain(|| {
+                            let drafts = propose(&sp.draft, &model, spec, next, t)?;
+                            if !drafts.is_empty() {
+                                state.begin_verify(1 + drafts.len())?;
+                            }
+                            Ok(drafts)
+                        });
+                        let drafts = match proposed {
+                            Ok(d) => d,
+                            Err(e) => return Some(Err((entry, e))),
+                        };
+                        spec.ids.clear();
+                        spec.ids.push(next);
+                        spec.ids.extend(&drafts);
+                        spec.aux.clear();
+                        spec.generated_before = *generated;
+                        let entry = Entry { tokens: spec.ids.len(), ..entry };
+                        let logits = if drafts.is_empty() { LogitsFor::LastToken } else { LogitsFor::AllTokens };
+                        let mut input = SeqInput::new(&spec.ids, state, logits);
+                        input.aux = Some(AuxTap { layers: sp.draft.taps(), rows: &mut spec.aux });
+                        Some(admit(&model, probe, entry, input))
                     })
                     .collect()
             };
@@ -385,7 +495,7 @@ impl Worker {
                 }
             }
         }
-        let decode_tokens = entries.iter().filter(|e| e.seq.is_some()).count();
+        let decode_tokens: usize = entries.iter().filter(|e| e.seq.is_some()).map(|e| e.tokens).sum();
         self.stats.decode_tokens.fetch_add(decode_tokens as u64, Ordering::Relaxed);
         let batch_prefill: usize = entries.iter().filter(|e| e.seq.is_none()).map(|e| e.tokens).sum();
         self.stats.prefill_tokens.fetch_add(batch_prefill as u64, Ordering::Relaxed);
@@ -403,17 +513,45 @@ impl Worker {
             Ok(outputs) => {
                 for (entry, logits) in entries.iter().zip(outputs) {
                     match entry.seq {
-                        Some(seq) => rows.push(Row { run: entry.run, seq, logits }),
+                        Some(seq) if entry.tokens > 1 => {
+                            // A verify: row 0 is sampled with the others, the rest while they match.
+                            let v = self.model.text_config().vocab_size;
+                            rows.push(Row { run: entry.run, seq, logits: logits[..v].to_vec() });
+                            verifies.push(Verify { run: entry.run, seq, logits });
+                        }
+                        Some(seq) => {
+                            // A speculating sequence that proposed nothing this step: its one
+                            // row is committed, so its aux row waits for the draft.
+                            if let Some(sp) = self.running[entry.run].seqs[seq].spec.as_mut() {
+                                let aux = std::mem::take(&mut sp.aux);
+                                sp.pending.extend(aux);
+                            }
+                            rows.push(Row { run: entry.run, seq, logits })
+                        }
                         None => {
                             // A finished prompt yields the first rows of all `n` sequences.
                             let r = &mut self.running[entry.run];
                             r.prefilled += entry.tokens;
                             if !r.in_prefill() {
                                 // Forks take a KDA slot each (the pool reserved them at admission)
-                                // and share the prompt's pages.
+                                // and share the prompt's pages — the draft's too, once it has
+                                // read the prompt.
                                 let total = r.req.prompt.len() + r.req.max_tokens;
                                 let (first, rest) = r.seqs.split_at_mut(1);
+                                if let (Some(sp), Some(spec)) = (&speculation, first[0].spec.as_mut())
+                                    && !rest.is_empty()
+                                    && let Err(e) = contain(|| propose(&sp.draft, &model, spec, 0, 0).map(|_| ()))
+                                {
+                                    failures.push((entry.run, None, e));
+                                }
                                 for s in rest {
+                                    s.spec = first[0].spec.as_ref().map(|sp| SpecSeq {
+                                        cache: sp.cache.clone(),
+                                        pending: sp.pending.clone(),
+                                        ids: Vec::new(),
+                                        aux: Vec::new(),
+                                        generated_before: 0,
+                                    });
                                     match first[0].state.fork() {
                                         Ok(st) => s.state = st,
                                         Err(e) => failures.push((
@@ -440,6 +578,9 @@ impl Worker {
         let forward = started.elapsed();
         let decode_rows = rows.len();
         self.sample(rows);
+        if !verifies.is_empty() {
+            self.verify(verifies);
+        }
         tracing::debug!(
             step,
             decoding,
@@ -449,6 +590,59 @@ impl Worker {
             total_ms = started.elapsed().as_secs_f64() * 1e3,
             "engine step"
         );
+    }
+
+    /// Speculative rows past the first: sample-and-match. Row j of a verify is sampled (masked,
+    /// through the sequence's own sampler, as any row) only if the token emitted from row j − 1
+    /// is draft j; the first mismatch is itself the emitted token. Every emitted token is thus
+    /// exactly what non-speculative decoding would emit — same rows, same sampler state, same
+    /// random draws — at any temperature and with any sampler or grammar; accepted drafts only
+    /// save target steps. Then each sequence keeps the verified rows of its emitted tokens: the
+    /// KDA snapshot after the last one is swapped in, rejected latent rows are dropped, and the
+    /// kept rows' aux states wait for the draft.
+    fn verify(&mut self, verifies: Vec<Verify>) {
+        let v = self.model.text_config().vocab_size;
+        for j in 1.. {
+            let mut rows = Vec::new();
+            for ver in &verifies {
+                let Some(r) = self.running.get(ver.run) else { continue };
+                let s = &r.seqs[ver.seq];
+                let Some(sp) = s.spec.as_ref() else { continue };
+                let drafts = sp.drafts();
+                let on_track =
+                    !s.done && s.generated == sp.generated_before + j && s.next == drafts.get(j - 1).copied();
+                if on_track && let Some(row) = ver.logits.get(j * v..(j + 1) * v) {
+                    rows.push(Row { run: ver.run, seq: ver.seq, logits: row.to_vec() });
+                }
+            }
+            if rows.is_empty() {
+                break;
+            }
+            self.sample(rows);
+        }
+        for ver in verifies {
+            let Some(r) = self.running.get_mut(ver.run) else { continue };
+            let s = &mut r.seqs[ver.seq];
+            let (Some(sp), false) = (s.spec.as_mut(), s.done) else { continue };
+            let verified = sp.ids.len();
+            let kept = s.generated - sp.generated_before;
+            let proposed = verified - 1;
+            let width = sp.aux.len() / verified.max(1);
+            let kept_aux = sp.aux.get(..kept * width).map(<[f32]>::to_vec);
+            let result = match kept_aux {
+                Some(rows) if kept >= 1 => {
+                    sp.pending.extend(rows);
+                    s.state.accept(verified, kept).map_err(|e| EngineError::Fault(format!("rollback: {e}")))
+                }
+                _ => Err(EngineError::Fault(format!("verify kept {kept} of {verified} rows"))),
+            };
+            self.stats.spec_rounds.fetch_add(1, Ordering::Relaxed);
+            self.stats.spec_proposed.fetch_add(proposed as u64, Ordering::Relaxed);
+            self.stats.spec_accepted.fetch_add(kept.saturating_sub(1).min(proposed) as u64, Ordering::Relaxed);
+            if let Err(e) = result {
+                self.fail(ver.run, Some(ver.seq), e);
+            }
+        }
     }
 
     fn fail(&mut self, run: usize, seq: Option<usize>, error: EngineError) {

@@ -12,6 +12,7 @@
 //! target's latent page arena; the block's own rows are dropped after the pass.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -22,6 +23,7 @@ use super::error::ModelError;
 use super::forward::Model;
 use super::norm::rms_norm;
 use super::scratch::Scratch;
+use super::slots::SlotArena;
 use super::state::LatentCache;
 use super::trace::Trace;
 use super::weights::{CheckpointSource, TensorSource, Weight};
@@ -148,8 +150,9 @@ pub struct DsparkDraft {
 }
 
 /// The draft's per-sequence state: each layer's context rows (positions 0..P−1 of the committed
-/// tokens) in pages of the target's latent arena.
-#[derive(Debug)]
+/// tokens) in pages of the target's latent arena. A clone (a fork, `n > 1`) shares the pages by
+/// reference count, as the target's latent caches do.
+#[derive(Clone, Debug)]
 pub struct DraftCache {
     layers: Vec<LatentCache>,
 }
@@ -220,6 +223,11 @@ impl DsparkDraft {
             .map_err(|e| ModelError::config(&format!("draft {}", e.path()), e.inner().to_string()))?;
         let c = &config;
         let t = target.text_config();
+        if target.ranks().len() != 1 {
+            return Err(ModelError::Parallel {
+                msg: "a DSpark draft runs with --tensor-parallel 1 for now (it shares the target's whole embedding and LM head)".into(),
+            });
+        }
         let check = |ok: bool, key: &str, msg: String| if ok { Ok(()) } else { Err(ModelError::config(key, msg)) };
         check(
             c.model_type == "k3_dspark",
@@ -335,6 +343,11 @@ impl DsparkDraft {
         Ok(draft)
     }
 
+    /// Decoder layers (each keeps one latent row per committed token).
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
     /// Values of one context row: `[c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`.
     pub fn row_width(&self) -> usize {
         self.config.kv_lora_rank + self.config.qk_rope_head_dim
@@ -345,9 +358,9 @@ impl DsparkDraft {
         &self.config.target_layer_ids
     }
 
-    /// A fresh cache whose pages come from the target's latent page arena.
-    pub fn new_cache(&self, target: &Model) -> Result<DraftCache, ModelError> {
-        let arena = &target.default_arenas().pages;
+    /// A fresh cache whose pages come from `arena` (the target's latent page arena: the engine's,
+    /// or `target.default_arenas().pages` for tools).
+    pub fn new_cache(&self, arena: &Arc<SlotArena>) -> Result<DraftCache, ModelError> {
         let layers = (0..self.layers.len())
             .map(|_| LatentCache::in_pages(arena, self.row_width()))
             .collect::<Option<Vec<_>>>()

@@ -411,10 +411,17 @@ impl Model {
     /// every MLA layer on every rank (each pool page is one page per MLA layer and rank: the
     /// latent cache is replicated).
     pub fn state_arenas(&self, slots: usize, pages: usize) -> Result<StateArenas, ModelError> {
+        self.state_arenas_with(slots, pages, 0)
+    }
+
+    /// [`Model::state_arenas`] with `extra` more arena pages per pool page (a DSpark draft's
+    /// layers keep their context rows in the same page arena).
+    pub fn state_arenas_with(&self, slots: usize, pages: usize, extra: usize) -> Result<StateArenas, ModelError> {
         let c = &self.rank_config;
         let mla_layers = c.layer_kinds.iter().filter(|k| matches!(k, MixerKind::Mla)).count();
         let n = self.ranks.len();
-        StateArenas::fixed(c, n, slots, pages.saturating_mul(mla_layers).saturating_mul(self.cache_replicas()))
+        let per_page = mla_layers.saturating_mul(self.cache_replicas()).saturating_add(extra);
+        StateArenas::fixed(c, n, slots, pages.saturating_mul(per_page))
     }
 
     /// Checks that `ids` can follow the `held` tokens of a sequence: ids inside the vocabulary,

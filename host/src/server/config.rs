@@ -49,6 +49,10 @@ pub struct ServeConfig {
     pub expert_parallel: bool,
     /// Where the model runs: cpu (default), hip, cuda or auto.
     pub backend: Option<String>,
+    /// A DSpark draft directory: speculative decoding for every decoding sequence.
+    pub draft: Option<PathBuf>,
+    /// Draft tokens proposed and verified per step with `draft` (1–16; default 4).
+    pub num_speculative_tokens: Option<usize>,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -62,6 +66,12 @@ pub struct ServeConfig {
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
 }
+
+/// Most draft tokens verified per step.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Draft tokens per step when a draft is given without `num_speculative_tokens`.
+pub const DEFAULT_SPECULATIVE_TOKENS: usize = 4;
 
 fn default_listen() -> String {
     "127.0.0.1:8000".into()
@@ -107,6 +117,7 @@ impl EngineSection {
             })?,
             queue_timeout: Duration::from_millis(self.queue_timeout_ms),
             max_waiting: self.max_waiting,
+            speculation: None,
             fault_probe: None,
         })
     }
@@ -315,6 +326,8 @@ impl ServeConfig {
             fp8_dense: false,
             expert_parallel: false,
             backend: None,
+            draft: None,
+            num_speculative_tokens: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),
@@ -402,6 +415,16 @@ impl ServeConfig {
         }
         self.listen_addr()?;
         self.engine.engine_config()?;
+        if let Some(t) = self.num_speculative_tokens
+            && !(1..=MAX_SPECULATIVE_TOKENS).contains(&t)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, not {t}"
+            )));
+        }
+        if self.num_speculative_tokens.is_some() && self.draft.is_none() {
+            return Err(ConfigError::Invalid("num_speculative_tokens needs a draft (draft = \"<dir>\")".into()));
+        }
         self.quota_store()?;
         Ok(())
     }

@@ -156,6 +156,9 @@ pub struct Metrics {
     steps: Counter,
     prefill_tokens: Counter,
     decode_tokens: Counter,
+    spec_rounds: Counter,
+    spec_proposed: Counter,
+    spec_accepted: Counter,
     cancelled: Counter,
     pool_timeouts: Counter,
     faults: Counter,
@@ -234,6 +237,17 @@ impl Metrics {
         let steps = c(&mut r, "engine_steps", "Engine steps run");
         let prefill_tokens = c(&mut r, "engine_prefill_tokens", "Prompt tokens run through the model");
         let decode_tokens = c(&mut r, "engine_decode_tokens", "Decode tokens run through the model");
+        let spec_rounds = c(
+            &mut r,
+            "engine_spec_verify_rounds",
+            "Speculative verify steps (one per sequence and step that proposed)",
+        );
+        let spec_proposed = c(&mut r, "engine_spec_proposed_tokens", "Draft tokens proposed for verification");
+        let spec_accepted = c(
+            &mut r,
+            "engine_spec_accepted_tokens",
+            "Draft tokens accepted; mean accept length = accepted / verify rounds",
+        );
         let cancelled = c(&mut r, "engine_cancelled_requests", "Requests freed because the client left");
         let pool_timeouts = c(&mut r, "engine_pool_timeouts", "Requests refused after waiting for state");
         let faults = c(&mut r, "engine_faults", "Panics caught inside engine steps (their requests failed)");
@@ -278,6 +292,9 @@ impl Metrics {
             steps,
             prefill_tokens,
             decode_tokens,
+            spec_rounds,
+            spec_proposed,
+            spec_accepted,
             cancelled,
             pool_timeouts,
             faults,
@@ -331,6 +348,9 @@ impl Metrics {
         sync(&self.steps, stats.steps.load(Ordering::Relaxed));
         sync(&self.prefill_tokens, stats.prefill_tokens.load(Ordering::Relaxed));
         sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));
+        sync(&self.spec_rounds, stats.spec_rounds.load(Ordering::Relaxed));
+        sync(&self.spec_proposed, stats.spec_proposed.load(Ordering::Relaxed));
+        sync(&self.spec_accepted, stats.spec_accepted.load(Ordering::Relaxed));
         sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));
         sync(&self.pool_timeouts, stats.pool_timeouts.load(Ordering::Relaxed));
         sync(&self.faults, stats.faults.load(Ordering::Relaxed));

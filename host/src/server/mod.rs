@@ -27,8 +27,9 @@ use serde_json::{Map, Value, json};
 use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, Speculation};
 use crate::grammar::GrammarEngine;
+use crate::model::dspark::DsparkDraft;
 use crate::model::{Model, Parallelism, WeightFormat};
 use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
 use crate::tokenizer::Tokenizer;
@@ -132,7 +133,15 @@ impl AppState {
             m.min(model.text_config().max_position_embeddings)
         });
         let has_vision = model.config.vision_config.is_some();
-        let engine = Engine::start(model, cfg.engine.engine_config()?)?;
+        let mut engine_config = cfg.engine.engine_config()?;
+        if let Some(dir) = &cfg.draft {
+            let draft = DsparkDraft::load(dir, &model)
+                .map_err(|e| ServeError::Model { path: dir.clone(), msg: format!("draft: {e}") })?;
+            let tokens = cfg.num_speculative_tokens.unwrap_or(config::DEFAULT_SPECULATIVE_TOKENS);
+            tracing::info!(draft = %dir.display(), tokens, layers = draft.layers(), "speculative decoding on");
+            engine_config.speculation = Some(Speculation { draft: Arc::new(draft), tokens });
+        }
+        let engine = Engine::start(model, engine_config)?;
         let model_name = cfg.model_name.clone().unwrap_or_else(|| {
             model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "kimi".into())
         });

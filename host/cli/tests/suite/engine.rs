@@ -26,6 +26,10 @@ fn fixture() -> Fixture {
     let dir = tempfile::tempdir().expect("tempdir");
     make_tiny(dir.path(), &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
     let model = Arc::new(Model::load(dir.path()).expect("model"));
+    fixture_with(dir, model)
+}
+
+fn fixture_with(dir: tempfile::TempDir, model: Arc<Model>) -> Fixture {
     let rt = PluginRuntime::new(RuntimeOptions { pooling: true, cache_dir: None }).expect("runtime");
     let compiled = rt.load("sampler-standard", builtin("sampler-standard").expect("builtin")).expect("loads");
     let plugin = Arc::new(SamplerPlugin::new(rt, &compiled).expect("sampler"));
@@ -351,4 +355,60 @@ fn serving_after_start_up_allocates_no_step_buffers() {
     drain(&mut h, 2).expect("generates");
     assert_eq!(f.model.scratch().created(), sized, "serving created step buffers");
     engine.shutdown(Duration::from_secs(5));
+}
+
+/// Speculative decoding with the DSpark draft (`dspark-tiny` on the `k3-tiny` target) emits
+/// exactly the tokens plain decoding emits — greedy, and sampled at temperature 1 with top-p
+/// for every seed (sample-and-match: each emitted token is the sampler's own draw on the same
+/// row, so not only the distribution but the very tokens agree) — for one and for forked
+/// sequences, while drafts are accepted; state goes back to zero afterwards.
+#[test]
+fn speculative_decoding_emits_exactly_the_plain_tokens() {
+    use kimi_host::engine::Speculation;
+    use kimi_host::model::dspark::DsparkDraft;
+    use std::sync::atomic::Ordering::Relaxed;
+    let golden = crate::common::golden_dir();
+    let model = Arc::new(Model::load(&golden.join("k3-tiny")).expect("target"));
+    let f = fixture_with(tempfile::tempdir().expect("tempdir"), model.clone());
+    let draft = Arc::new(DsparkDraft::load(&golden.join("dspark-tiny"), &model).expect("draft"));
+    let base = EngineConfig { max_batched_tokens: 24, max_seqs: 8, state_memory: 64 << 20, ..Default::default() };
+    let plain = Engine::start(model.clone(), base.clone()).expect("plain engine");
+    let spec_cfg = EngineConfig { speculation: Some(Speculation { draft, tokens: 4 }), ..base };
+    let spec = Engine::start(model.clone(), spec_cfg).expect("speculative engine");
+    let case = crate::common::Golden::open("dspark-tiny");
+    let mut all_prompts = vec![case.ids("prompt.input_ids")];
+    all_prompts.extend(prompts().into_iter().take(3));
+    let params =
+        [r#"{"temperature": 0}"#, r#"{"temperature": 1.0, "top_p": 0.9}"#, r#"{"temperature": 0.7, "top_k": 20}"#];
+    for (k, prompt) in all_prompts.iter().enumerate() {
+        for (j, p) in params.iter().enumerate() {
+            let n = if k == 1 { 2 } else { 1 };
+            for seed in 0..3u64 {
+                let run = |e: &Engine| {
+                    let mut req = request(&f, prompt.clone(), 20, n, p);
+                    req.sampling.seed = seed;
+                    let mut h = e.submit(req).expect("submit");
+                    drain(&mut h, n).expect("generates")
+                };
+                assert_eq!(run(&spec), run(&plain), "prompt {k}, params {j}, seed {seed}");
+                if j == 0 {
+                    break; // greedy: the seed does not matter
+                }
+            }
+        }
+    }
+    let s = &spec.stats;
+    let (rounds, proposed, accepted) =
+        (s.spec_rounds.load(Relaxed), s.spec_proposed.load(Relaxed), s.spec_accepted.load(Relaxed));
+    eprintln!("speculation: {rounds} verify rounds, {proposed} drafts proposed, {accepted} accepted");
+    assert!(rounds > 0 && proposed >= rounds, "the draft proposed: {rounds} rounds, {proposed} drafts");
+    assert!(accepted > 0, "some drafts were accepted (the golden prompt's greedy round accepts 2)");
+    assert!(
+        s.decode_tokens.load(Relaxed) > plain.stats.decode_tokens.load(Relaxed),
+        "verifies run drafts through the target"
+    );
+    assert!(s.steps.load(Relaxed) < plain.stats.steps.load(Relaxed), "accepted drafts save steps");
+    wait_idle(&spec);
+    spec.shutdown(Duration::from_secs(5));
+    plain.shutdown(Duration::from_secs(5));
 }
