@@ -156,6 +156,19 @@ enum Command {
         #[arg(long)]
         mxfp4: bool,
     },
+    /// Write a random DSpark draft (Inferact layout) for the checkpoint in --target: every
+    /// speculative code path runs on it, though it proposes little the target accepts.
+    MakeDraft {
+        #[arg(long)]
+        target: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Draft decoder layers.
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+    },
     /// Encode text to ids (or decode ids to text).
     Tokenize {
         /// Directory with tiktoken.model (and optionally tokenizer_config.json).
@@ -575,6 +588,11 @@ fn main() -> Result<()> {
         Command::MakeTiny { out, seed, k31, mxfp4 } => {
             make_tiny(&out, &TinyOptions { seed, k31, mxfp4 }).with_context(|| format!("writing {}", out.display()))?;
             eprintln!("wrote a tiny Kimi-K3{} checkpoint to {}", if k31 { ".1" } else { "" }, out.display());
+        }
+        Command::MakeDraft { target, out, seed, layers } => {
+            kimi_host::model::tiny::make_draft(&target, &out, seed, layers)
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("wrote a random DSpark draft for {} to {}", target.display(), out.display());
         }
         Command::Tokenize { tokenizer, text, file, decode, allow_special, json } => {
             tokenize_cmd(&tokenizer, text, file, decode, allow_special, json)?

@@ -18,8 +18,8 @@ use super::{
 };
 use crate::grammar::ConstraintMatcher;
 use crate::model::batch::AuxTap;
-use crate::model::dspark::{DraftCache, DsparkDraft, Pick};
-use crate::model::{LogitsFor, Model, ModelError, SeqInput, SequenceState, StateArenas};
+use crate::model::dspark::DraftCache;
+use crate::model::{LogitsFor, Model, SeqInput, SequenceState, StateArenas};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
 /// One generated sequence of a running request.
@@ -54,26 +54,6 @@ impl SpecSeq {
     fn drafts(&self) -> &[u32] {
         self.ids.get(1..).unwrap_or(&[])
     }
-}
-
-/// Reads the committed rows' aux states into the draft's context, then proposes `t` tokens
-/// after `anchor` (a greedy Markov walk: the likeliest block, so the most of it matches).
-fn propose(
-    draft: &DsparkDraft,
-    model: &Model,
-    sp: &mut SpecSeq,
-    anchor: u32,
-    t: usize,
-) -> Result<Vec<u32>, ModelError> {
-    if !sp.pending.is_empty() {
-        draft.extend_context(model, &mut sp.cache, &sp.pending, None, "")?;
-        sp.pending.clear();
-    }
-    if t == 0 {
-        return Ok(Vec::new());
-    }
-    let block = draft.block(model, &mut sp.cache, anchor, t, None, "")?;
-    Ok(draft.walk(model.backend(), &block, Pick::Greedy)?.tokens)
 }
 
 /// A request that holds state from the pool.
@@ -420,9 +400,12 @@ impl Worker {
         // sequence fails alone; the batch then runs as one forward call.
         let mut entries: Vec<Entry> = Vec::new();
         let mut inputs: Vec<SeqInput<'_>> = Vec::new();
-        let probe = &self.config.fault_probe;
         let speculation = self.config.speculation.clone();
         let max_context = model.text_config().max_position_embeddings;
+        if let Some(sp) = &speculation {
+            self.propose(sp, max_context, &mut failures);
+        }
+        let probe = &self.config.fault_probe;
         let mut chunks = prefill.iter().copied().peekable();
         for (ri, r) in self.running.iter_mut().enumerate() {
             let Running { req, seqs, prefilled, .. } = r;
@@ -445,40 +428,28 @@ impl Worker {
                 }
                 vec![admit(&model, probe, entry, input)]
             } else {
-                let max_tokens = req.max_tokens;
                 seqs.iter_mut()
                     .filter(|s| !s.done)
                     .filter_map(|s| {
-                        let Seq { index, state, spec, generated, next, .. } = s;
+                        let Seq { index, state, spec, next, .. } = s;
                         let (Some(sp), Some(spec)) = (&speculation, spec.as_mut()) else {
                             let entry = Entry { run: ri, seq: Some(*index), tokens: 1 };
                             let ids = std::slice::from_ref(next.as_ref()?);
                             return Some(admit(&model, probe, entry, SeqInput::new(ids, state, LogitsFor::LastToken)));
                         };
                         let next = (*next)?;
-                        // Drafts past max_tokens or the context would never be emitted.
-                        let room =
-                            max_tokens.saturating_sub(*generated + 1).min(max_context.saturating_sub(state.len + 1));
-                        let t = sp.tokens.min(room);
-                        let entry = Entry { run: ri, seq: Some(*index), tokens: 1 + t };
-                        let proposed = contain(|| {
-                            let drafts = propose(&sp.draft, &model, spec, next, t)?;
-                            if !drafts.is_empty() {
-                                state.begin_verify(1 + drafts.len())?;
-                            }
-                            Ok(drafts)
-                        });
-                        let drafts = match proposed {
-                            Ok(d) => d,
-                            Err(e) => return Some(Err((entry, e))),
-                        };
-                        spec.ids.clear();
-                        spec.ids.push(next);
-                        spec.ids.extend(&drafts);
-                        spec.aux.clear();
-                        spec.generated_before = *generated;
-                        let entry = Entry { tokens: spec.ids.len(), ..entry };
-                        let logits = if drafts.is_empty() { LogitsFor::LastToken } else { LogitsFor::AllTokens };
+                        // The drafts `propose` made for this step (none when it failed).
+                        if spec.ids.first() != Some(&next) {
+                            return None;
+                        }
+                        let entry = Entry { run: ri, seq: Some(*index), tokens: spec.ids.len() };
+                        let drafts = spec.drafts().len();
+                        if drafts > 0
+                            && let Err(e) = contain(|| state.begin_verify(1 + drafts))
+                        {
+                            return Some(Err((entry, e)));
+                        }
+                        let logits = if drafts == 0 { LogitsFor::LastToken } else { LogitsFor::AllTokens };
                         let mut input = SeqInput::new(&spec.ids, state, logits);
                         input.aux = Some(AuxTap { layers: sp.draft.taps(), rows: &mut spec.aux });
                         Some(admit(&model, probe, entry, input))
@@ -540,9 +511,12 @@ impl Worker {
                                 let (first, rest) = r.seqs.split_at_mut(1);
                                 if let (Some(sp), Some(spec)) = (&speculation, first[0].spec.as_mut())
                                     && !rest.is_empty()
-                                    && let Err(e) = contain(|| propose(&sp.draft, &model, spec, 0, 0).map(|_| ()))
                                 {
-                                    failures.push((entry.run, None, e));
+                                    let SpecSeq { cache, pending, .. } = spec;
+                                    match contain(|| sp.draft.extend_contexts(&model, &mut [cache], &[pending])) {
+                                        Ok(_) => pending.clear(),
+                                        Err(e) => failures.push((entry.run, None, e)),
+                                    }
                                 }
                                 for s in rest {
                                     s.spec = first[0].spec.as_ref().map(|sp| SpecSeq {
@@ -590,6 +564,63 @@ impl Worker {
             total_ms = started.elapsed().as_secs_f64() * 1e3,
             "engine step"
         );
+    }
+
+    /// Drafts for every decoding speculating sequence, in one batched draft pass: each reads its
+    /// committed rows' aux states, then proposes up to `tokens` drafts after its next token —
+    /// fewer near `max_tokens` or the context end, where they could never be emitted. Sets each
+    /// sequence's step input `[next, drafts…]`; a failed pass fails those sequences.
+    fn propose(
+        &mut self,
+        sp: &super::Speculation,
+        max_context: usize,
+        failures: &mut Vec<(usize, Option<usize>, EngineError)>,
+    ) {
+        let mut who = Vec::new();
+        let mut caches: Vec<&mut DraftCache> = Vec::new();
+        let mut pending: Vec<&[f32]> = Vec::new();
+        let mut anchors = Vec::new();
+        let mut counts = Vec::new();
+        for (ri, r) in self.running.iter_mut().enumerate() {
+            if r.prefilled < r.req.prompt.len() {
+                continue;
+            }
+            let max_tokens = r.req.max_tokens;
+            for s in r.seqs.iter_mut().filter(|s| !s.done) {
+                let (Some(next), Some(spec)) = (s.next, s.spec.as_mut()) else { continue };
+                let room = max_tokens.saturating_sub(s.generated + 1).min(max_context.saturating_sub(s.state.len + 1));
+                spec.ids.clear();
+                spec.aux.clear();
+                spec.generated_before = s.generated;
+                who.push((ri, s.index));
+                caches.push(&mut spec.cache);
+                pending.push(&spec.pending);
+                anchors.push(next);
+                counts.push(sp.tokens.min(room));
+            }
+        }
+        if who.is_empty() {
+            return;
+        }
+        let model = self.model.clone();
+        let proposed = contain(|| sp.draft.propose(&model, &mut caches, &pending, &anchors, &counts));
+        drop((caches, pending));
+        match proposed {
+            Ok(drafts) => {
+                for ((ri, si), (anchor, drafts)) in who.into_iter().zip(anchors.into_iter().zip(drafts)) {
+                    if let Some(spec) = self.running[ri].seqs[si].spec.as_mut() {
+                        spec.pending.clear();
+                        spec.ids.push(anchor);
+                        spec.ids.extend(drafts);
+                    }
+                }
+            }
+            Err(e) => {
+                for (ri, si) in who {
+                    failures.push((ri, Some(si), EngineError::Fault(format!("draft: {e}"))));
+                }
+            }
+        }
     }
 
     /// Speculative rows past the first: sample-and-match. Row j of a verify is sampled (masked,

@@ -19,6 +19,7 @@ use serde::Deserialize;
 use kimi_kernels::Backend;
 
 use super::checkpoint::Checkpoint;
+use super::config::TextConfig;
 use super::error::ModelError;
 use super::forward::Model;
 use super::norm::rms_norm;
@@ -55,6 +56,83 @@ pub struct DsparkConfig {
     #[serde(default)]
     pub enable_confidence_head: bool,
     pub rope_parameters: RopeParameters,
+}
+
+impl DsparkConfig {
+    /// `<dir>/config.json`.
+    pub fn load(dir: &Path) -> Result<DsparkConfig, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ModelError::Io { path: path.display().to_string(), source: e })?;
+        DsparkConfig::parse(&text)
+    }
+
+    pub fn parse(text: &str) -> Result<DsparkConfig, ModelError> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| ModelError::config(&format!("draft {}", e.path()), e.inner().to_string()))
+    }
+
+    /// Checks that this draft was made for `t` (hidden size, layer count, vocabulary, tapped
+    /// layers) and is the architecture implemented here.
+    pub fn check_target(&self, t: &TextConfig) -> Result<(), ModelError> {
+        let c = self;
+        let check = |ok: bool, key: &str, msg: String| if ok { Ok(()) } else { Err(ModelError::config(key, msg)) };
+        check(
+            c.model_type == "k3_dspark",
+            "model_type",
+            format!("a DSpark draft is `k3_dspark`, not `{}`", c.model_type),
+        )?;
+        check(!c.mla_use_output_gate, "mla_use_output_gate", "the draft's MLA has no output gate here".into())?;
+        check(!c.mla_use_nope, "mla_use_nope", "the K3 DSpark draft's MLA uses RoPE".into())?;
+        check(
+            c.markov_head_type == "vanilla",
+            "markov_head_type",
+            format!("`{}` is not implemented", c.markov_head_type),
+        )?;
+        check(
+            c.rope_parameters.rope_type == "yarn",
+            "rope_parameters.rope_type",
+            format!("`{}` is not implemented (yarn is)", c.rope_parameters.rope_type),
+        )?;
+        check(
+            c.qk_rope_head_dim.is_multiple_of(2) && c.qk_rope_head_dim > 0,
+            "qk_rope_head_dim",
+            "must be even".into(),
+        )?;
+        check(
+            c.target_hidden_size == t.hidden_size,
+            "target_hidden_size",
+            format!("{} but the target's hidden size is {}", c.target_hidden_size, t.hidden_size),
+        )?;
+        check(
+            c.target_num_hidden_layers == t.num_layers,
+            "target_num_hidden_layers",
+            format!("{} but the target has {} layers", c.target_num_hidden_layers, t.num_layers),
+        )?;
+        check(
+            c.vocab_size == t.vocab_size && (c.mask_token_id as usize) < t.vocab_size,
+            "vocab_size",
+            format!("{} (mask {}) but the target's vocabulary is {}", c.vocab_size, c.mask_token_id, t.vocab_size),
+        )?;
+        check(
+            c.hidden_size == t.hidden_size,
+            "hidden_size",
+            format!("{}: the draft shares the target's embedding, whose width is {}", c.hidden_size, t.hidden_size),
+        )?;
+        check(
+            c.target_layer_ids.len() == c.num_target_layers
+                && !c.target_layer_ids.is_empty()
+                && c.target_layer_ids.iter().all(|&l| l + 1 < t.num_layers),
+            "target_layer_ids",
+            format!(
+                "{:?}: {} layers below the target's last ({}) expected",
+                c.target_layer_ids,
+                c.num_target_layers,
+                t.num_layers.saturating_sub(1)
+            ),
+        )
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -146,7 +224,8 @@ pub struct DsparkDraft {
     markov_w2: Weight,
     confidence: Option<(Weight, f32)>,
     scratch: Scratch,
-    _checkpoint: Checkpoint,
+    /// Keeps the memory map alive (None for a recorded draft).
+    _checkpoint: Option<Checkpoint>,
 }
 
 /// The draft's per-sequence state: each layer's context rows (positions 0..P−1 of the committed
@@ -215,76 +294,38 @@ impl DsparkDraft {
     /// was made for this target (hidden size, layer count, vocabulary, tapped layers) and that it
     /// is the architecture implemented here.
     pub fn load(dir: &Path, target: &Model) -> Result<DsparkDraft, ModelError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| ModelError::Io { path: path.display().to_string(), source: e })?;
-        let mut de = serde_json::Deserializer::from_str(&text);
-        let config: DsparkConfig = serde_path_to_error::deserialize(&mut de)
-            .map_err(|e| ModelError::config(&format!("draft {}", e.path()), e.inner().to_string()))?;
-        let c = &config;
-        let t = target.text_config();
+        let config = DsparkConfig::load(dir)?;
         if target.ranks().len() != 1 {
             return Err(ModelError::Parallel {
                 msg: "a DSpark draft runs with --tensor-parallel 1 for now (it shares the target's whole embedding and LM head)".into(),
             });
         }
-        let check = |ok: bool, key: &str, msg: String| if ok { Ok(()) } else { Err(ModelError::config(key, msg)) };
-        check(
-            c.model_type == "k3_dspark",
-            "model_type",
-            format!("a DSpark draft is `k3_dspark`, not `{}`", c.model_type),
-        )?;
-        check(!c.mla_use_output_gate, "mla_use_output_gate", "the draft's MLA has no output gate here".into())?;
-        check(!c.mla_use_nope, "mla_use_nope", "the K3 DSpark draft's MLA uses RoPE".into())?;
-        check(
-            c.markov_head_type == "vanilla",
-            "markov_head_type",
-            format!("`{}` is not implemented", c.markov_head_type),
-        )?;
-        check(
-            c.rope_parameters.rope_type == "yarn",
-            "rope_parameters.rope_type",
-            format!("`{}` is not implemented (yarn is)", c.rope_parameters.rope_type),
-        )?;
-        check(
-            c.qk_rope_head_dim.is_multiple_of(2) && c.qk_rope_head_dim > 0,
-            "qk_rope_head_dim",
-            "must be even".into(),
-        )?;
-        check(
-            c.target_hidden_size == t.hidden_size,
-            "target_hidden_size",
-            format!("{} but the target's hidden size is {}", c.target_hidden_size, t.hidden_size),
-        )?;
-        check(
-            c.target_num_hidden_layers == t.num_layers,
-            "target_num_hidden_layers",
-            format!("{} but the target has {} layers", c.target_num_hidden_layers, t.num_layers),
-        )?;
-        check(
-            c.vocab_size == t.vocab_size && (c.mask_token_id as usize) < t.vocab_size,
-            "vocab_size",
-            format!("{} (mask {}) but the target's vocabulary is {}", c.vocab_size, c.mask_token_id, t.vocab_size),
-        )?;
-        check(
-            c.hidden_size == t.hidden_size,
-            "hidden_size",
-            format!("{}: the draft shares the target's embedding, whose width is {}", c.hidden_size, t.hidden_size),
-        )?;
-        check(
-            c.target_layer_ids.len() == c.num_target_layers
-                && !c.target_layer_ids.is_empty()
-                && c.target_layer_ids.iter().all(|&l| l + 1 < t.num_layers),
-            "target_layer_ids",
-            format!(
-                "{:?}: {} layers below the target's last ({}) expected",
-                c.target_layer_ids,
-                c.num_target_layers,
-                t.num_layers - 1
-            ),
-        )?;
+        config.check_target(target.text_config())?;
         let ck = Checkpoint::open(dir)?;
-        let mut src = CheckpointSource::new(&ck);
+        let mut draft = DsparkDraft::build(config, &mut CheckpointSource::new(&ck))?;
+        draft._checkpoint = Some(ck);
+        // The draft's products run through the target's backend, in its layout.
+        let be = target.backend();
+        for l in &mut draft.layers {
+            for w in [&mut l.q_a, &mut l.q_b, &mut l.kv_a, &mut l.o_proj, &mut l.gate, &mut l.up, &mut l.down] {
+                w.prepare(be);
+            }
+        }
+        draft.context_proj.prepare(be);
+        draft.markov_w2.prepare(be);
+        if target.default_arenas().pages.slot_floats() < super::state::PAGE_TOKENS * draft.row_width() {
+            return Err(ModelError::config(
+                "kv_lora_rank",
+                format!("draft rows of {} values do not fit the target's latent pages", draft.row_width()),
+            ));
+        }
+        Ok(draft)
+    }
+
+    /// Builds the draft from any tensor source (a checkpoint, or a name recorder: what a draft of
+    /// this config holds, for `make-draft`).
+    pub fn build(config: DsparkConfig, src: &mut dyn TensorSource) -> Result<DsparkDraft, ModelError> {
+        let c = &config;
         let (d, h) = (c.hidden_size, c.num_attention_heads);
         let (dn, dr, dv, r) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -308,11 +349,11 @@ impl DsparkDraft {
         let confidence = if c.enable_confidence_head {
             let w = src.matrix("confidence_head.proj.weight", 1, d + c.markov_rank)?;
             let b = src.vector("confidence_head.proj.bias", &[1])?;
-            Some((w, b[0]))
+            Some((w, b.first().copied().unwrap_or(0.0)))
         } else {
             None
         };
-        let mut draft = DsparkDraft {
+        Ok(DsparkDraft {
             yarn: Yarn::new(&c.rope_parameters, dr, dn),
             context_proj: src.matrix("context_proj.weight", d, c.num_target_layers * c.target_hidden_size)?,
             context_norm: src.vector("context_norm.weight", &[d])?,
@@ -322,25 +363,9 @@ impl DsparkDraft {
             markov_w2: src.matrix("markov_head.markov_w2.weight", c.vocab_size, c.markov_rank)?,
             confidence,
             scratch: Scratch::new(),
-            config: config.clone(),
-            _checkpoint: ck,
-        };
-        // The draft's products run through the target's backend, in its layout.
-        let be = target.backend();
-        for l in &mut draft.layers {
-            for w in [&mut l.q_a, &mut l.q_b, &mut l.kv_a, &mut l.o_proj, &mut l.gate, &mut l.up, &mut l.down] {
-                w.prepare(be);
-            }
-        }
-        draft.context_proj.prepare(be);
-        draft.markov_w2.prepare(be);
-        if target.default_arenas().pages.slot_floats() < super::state::PAGE_TOKENS * draft.row_width() {
-            return Err(ModelError::config(
-                "kv_lora_rank",
-                format!("draft rows of {} values do not fit the target's latent pages", draft.row_width()),
-            ));
-        }
-        Ok(draft)
+            config,
+            _checkpoint: None,
+        })
     }
 
     /// Decoder layers (each keeps one latent row per committed token).
@@ -397,30 +422,68 @@ impl DsparkDraft {
         trace: Option<&mut Trace>,
         prefix: &str,
     ) -> Result<Vec<f32>, ModelError> {
+        let ctx = self.extend_contexts(target, &mut [cache], &[aux])?;
+        if let Some(tr) = trace {
+            tr.f32(
+                format!("{prefix}context_hidden"),
+                &[ctx.len() / self.config.hidden_size, self.config.hidden_size],
+                &ctx,
+            );
+        }
+        Ok(ctx)
+    }
+
+    /// [`DsparkDraft::extend_context`] for many sequences in one pass (one product per weight):
+    /// `aux[s]` holds sequence s's new rows. All-or-nothing: on an error no cache gains a row.
+    pub fn extend_contexts(
+        &self,
+        target: &Model,
+        caches: &mut [&mut DraftCache],
+        aux: &[&[f32]],
+    ) -> Result<Vec<f32>, ModelError> {
         let be = target.backend();
         let sc = &self.scratch;
         let width = self.config.num_target_layers * self.config.target_hidden_size;
-        if width == 0 || !aux.len().is_multiple_of(width) {
-            return Err(ModelError::config(
-                "target_layer_ids",
-                format!("aux rows of {} values are not [n, {width}]", aux.len()),
-            ));
-        }
-        let n = aux.len() / width;
-        let start = cache.len();
-        let positions: Vec<usize> = (start..start + n).collect();
-        let ctx =
-            rms_norm(be, sc, &self.context_proj.matmul(be, sc, aux, n), &self.context_norm, self.config.rms_norm_eps)
-                .to_vec();
-        let (r, w) = (self.config.kv_lora_rank, self.row_width());
-        for (l, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let rows = self.latent_rows(be, l, &ctx, &positions);
-            for row in rows.chunks_exact(w) {
-                cache.push(&row[..r], &row[r..], &[])?;
+        let mut counts = Vec::with_capacity(aux.len());
+        let mut positions = Vec::new();
+        for (cache, rows) in caches.iter().zip(aux) {
+            if width == 0 || !rows.len().is_multiple_of(width) {
+                return Err(ModelError::config(
+                    "target_layer_ids",
+                    format!("aux rows of {} values are not [n, {width}]", rows.len()),
+                ));
             }
+            let n = rows.len() / width;
+            positions.extend(cache.len()..cache.len() + n);
+            counts.push(n);
         }
-        if let Some(tr) = trace {
-            tr.f32(format!("{prefix}context_hidden"), &[n, self.config.hidden_size], &ctx);
+        let total = positions.len();
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        let all: Vec<f32> = aux.iter().flat_map(|a| a.iter().copied()).collect();
+        let eps = self.config.rms_norm_eps;
+        let ctx = rms_norm(be, sc, &self.context_proj.matmul(be, sc, &all, total), &self.context_norm, eps).to_vec();
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let (r, w) = (self.config.kv_lora_rank, self.row_width());
+        let pushed = (|| {
+            for (i, l) in self.layers.iter().enumerate() {
+                let rows = self.latent_rows(be, l, &ctx, &positions);
+                let mut at = 0;
+                for (cache, &n) in caches.iter_mut().zip(&counts) {
+                    for row in rows[at * w..(at + n) * w].chunks_exact(w) {
+                        cache.layers[i].push(&row[..r], &row[r..], &[])?;
+                    }
+                    at += n;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = pushed {
+            for (cache, &start) in caches.iter_mut().zip(&starts) {
+                cache.truncate(start);
+            }
+            return Err(e);
         }
         Ok(ctx)
     }
@@ -434,70 +497,166 @@ impl DsparkDraft {
         cache: &mut DraftCache,
         anchor: u32,
         t: usize,
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
         prefix: &str,
     ) -> Result<Block, ModelError> {
+        if t == 0 {
+            return Err(ModelError::config("num_speculative_tokens", "a block needs at least one token"));
+        }
+        let mut blocks = self.blocks(target, &mut [cache], &[anchor], &[t], trace.map(|tr| (tr, prefix)))?;
+        blocks.pop().ok_or_else(|| ModelError::config("num_speculative_tokens", "no block"))
+    }
+
+    /// Block passes for many sequences in one forward (one product per weight; each block's
+    /// queries attend over their own sequence's context through its page table). Sequence s
+    /// drafts `t[s]` tokens after `anchors[s]` (none when 0). A trace needs one sequence.
+    pub fn blocks(
+        &self,
+        target: &Model,
+        caches: &mut [&mut DraftCache],
+        anchors: &[u32],
+        t: &[usize],
+        mut trace: Option<(&mut Trace, &str)>,
+    ) -> Result<Vec<Block>, ModelError> {
         let c = &self.config;
         let be = target.backend();
         let sc = &self.scratch;
         let (d, h, eps) = (c.hidden_size, c.num_attention_heads, c.rms_norm_eps);
         let (dn, dr, dv, r) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let p = cache.len();
-        if t == 0 {
-            return Err(ModelError::config("num_speculative_tokens", "a block needs at least one token"));
+        if trace.is_some() && caches.len() != 1 {
+            return Err(ModelError::TraceNeedsOneSequence { sequences: caches.len() });
         }
-        let ids: Vec<u32> = std::iter::once(anchor).chain(std::iter::repeat_n(c.mask_token_id, t - 1)).collect();
-        let positions: Vec<usize> = (p..p + t).collect();
-        target.check(&ids, p)?;
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        // Every block query sees its whole block: the block's last position bounds them all.
+        let mut seen = Vec::new();
+        for (s, ((&p, &anchor), &ts)) in starts.iter().zip(anchors).zip(t).enumerate() {
+            let block: Vec<u32> = std::iter::once(anchor)
+                .chain(std::iter::repeat_n(c.mask_token_id, ts.saturating_sub(1)))
+                .take(ts)
+                .collect();
+            target.check(&block, p)?;
+            ids.extend(block);
+            positions.extend(p..p + ts);
+            seen.extend(std::iter::repeat_n((s, p + ts.saturating_sub(1)), ts));
+        }
+        let total = ids.len();
+        if total == 0 {
+            return Ok(starts
+                .iter()
+                .zip(anchors)
+                .map(|(&p, &a)| Block { anchor: a, position: p, hidden: Vec::new(), base_logits: Vec::new() })
+                .collect());
+        }
         let mut hidden = target.embed(&ids)?;
-        if let Some(tr) = trace.as_deref_mut() {
-            tr.i64(format!("{prefix}block_input_ids"), &[t], ids.iter().map(|&x| x as i64).collect());
-            tr.i64(format!("{prefix}block_positions"), &[t], positions.iter().map(|&x| x as i64).collect());
+        if let Some((tr, prefix)) = trace.as_mut() {
+            tr.i64(format!("{prefix}block_input_ids"), &[total], ids.iter().map(|&x| x as i64).collect());
+            tr.i64(format!("{prefix}block_positions"), &[total], positions.iter().map(|&x| x as i64).collect());
         }
         let w = self.row_width();
         let result = (|| {
-            for (i, (l, lc)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            for (i, l) in self.layers.iter().enumerate() {
                 let a = rms_norm(be, sc, &hidden, &l.input_norm, eps);
-                let c_q = rms_norm(be, sc, &l.q_a.matmul(be, sc, &a, t), &l.q_a_norm, eps);
-                let mut q = l.q_b.matmul(be, sc, &c_q, t).to_vec();
+                let c_q = rms_norm(be, sc, &l.q_a.matmul(be, sc, &a, total), &l.q_a_norm, eps);
+                let mut q = l.q_b.matmul(be, sc, &c_q, total).to_vec();
                 be.rope_interleaved(&mut q, &positions, h, dn + dr, dn, &self.yarn.inv_freq, self.yarn.magnitude);
                 let rows = self.latent_rows(be, l, &a, &positions);
-                for row in rows.chunks_exact(w) {
-                    lc.push(&row[..r], &row[r..], &[])?;
+                let mut at = 0;
+                for (cache, &ts) in caches.iter_mut().zip(t) {
+                    for row in rows[at * w..(at + ts) * w].chunks_exact(w) {
+                        cache.layers[i].push(&row[..r], &row[r..], &[])?;
+                    }
+                    at += ts;
                 }
-                let mut q_abs = sc.for_overwrite(t * h * w);
-                be.mla_absorb(&l.kv_b.m(), h, dn, dv, t, &q, &mut q_abs);
-                // Every block query sees the whole block: the last block position bounds them all.
-                let seen: Vec<(usize, usize)> = vec![(0, p + t - 1); t];
-                let mut ctx = sc.zeroed(t * h * r);
-                be.mla_attention(&q_abs, h, r, self.yarn.softmax_scale, &seen, &[lc.rows_view()], None, &mut ctx, None);
-                let mut o = sc.for_overwrite(t * h * dv);
-                be.mla_lift(&l.kv_b.m(), h, dn, dv, t, &ctx, &mut o);
-                let attn = l.o_proj.matmul(be, sc, &o, t);
+                let mut q_abs = sc.for_overwrite(total * h * w);
+                be.mla_absorb(&l.kv_b.m(), h, dn, dv, total, &q, &mut q_abs);
+                let views: Vec<_> = caches.iter().map(|c| c.layers[i].rows_view()).collect();
+                let mut ctx = sc.zeroed(total * h * r);
+                be.mla_attention(&q_abs, h, r, self.yarn.softmax_scale, &seen, &views, None, &mut ctx, None);
+                let mut o = sc.for_overwrite(total * h * dv);
+                be.mla_lift(&l.kv_b.m(), h, dn, dv, total, &ctx, &mut o);
+                let attn = l.o_proj.matmul(be, sc, &o, total);
                 be.add(&mut hidden, &attn);
                 let x = rms_norm(be, sc, &hidden, &l.post_norm, eps);
-                let mut g = l.gate.matmul(be, sc, &x, t);
-                be.silu_glu(&mut g, &l.up.matmul(be, sc, &x, t));
-                be.add(&mut hidden, &l.down.matmul(be, sc, &g, t));
-                lc.truncate(p);
-                if let Some(tr) = trace.as_deref_mut() {
-                    tr.f32(format!("{prefix}layer{i}.block_rows"), &[t, w], &rows);
-                    tr.f32(format!("{prefix}layer{i}.attn_output"), &[t, d], &attn);
-                    tr.f32(format!("{prefix}layer{i}.hidden_out"), &[t, d], &hidden);
+                let mut g = l.gate.matmul(be, sc, &x, total);
+                be.silu_glu(&mut g, &l.up.matmul(be, sc, &x, total));
+                be.add(&mut hidden, &l.down.matmul(be, sc, &g, total));
+                for (cache, &p) in caches.iter_mut().zip(&starts) {
+                    cache.layers[i].truncate(p);
+                }
+                if let Some((tr, prefix)) = trace.as_mut() {
+                    tr.f32(format!("{prefix}layer{i}.block_rows"), &[total, w], &rows);
+                    tr.f32(format!("{prefix}layer{i}.attn_output"), &[total, d], &attn);
+                    tr.f32(format!("{prefix}layer{i}.hidden_out"), &[total, d], &hidden);
                 }
             }
             Ok(())
         })();
         // A failure part-way must not leave block rows behind.
-        cache.truncate(p);
+        for (cache, &p) in caches.iter_mut().zip(&starts) {
+            cache.truncate(p);
+        }
         result?;
         let z = rms_norm(be, sc, &hidden, &self.final_norm, eps).to_vec();
-        let base_logits = target.lm_head(&z, t)?;
-        if let Some(tr) = trace {
-            tr.f32(format!("{prefix}final_hidden"), &[t, d], &z);
-            tr.f32(format!("{prefix}base_logits"), &[t, c.vocab_size], &base_logits);
+        let base = target.lm_head(&z, total)?;
+        if let Some((tr, prefix)) = trace {
+            tr.f32(format!("{prefix}final_hidden"), &[total, d], &z);
+            tr.f32(format!("{prefix}base_logits"), &[total, c.vocab_size], &base);
         }
-        Ok(Block { anchor, position: p, hidden: z, base_logits })
+        let v = c.vocab_size;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(t.len());
+        for ((&p, &anchor), &ts) in starts.iter().zip(anchors).zip(t) {
+            out.push(Block {
+                anchor,
+                position: p,
+                hidden: z[at * d..(at + ts) * d].to_vec(),
+                base_logits: base[at * v..(at + ts) * v].to_vec(),
+            });
+            at += ts;
+        }
+        Ok(out)
+    }
+
+    /// Greedy Markov walks over many blocks at once: step k's biases for every block still
+    /// walking come from one product (`[blocks, r] × W2ᵀ`). Returns each block's drafts.
+    pub fn walk_greedy(&self, be: &dyn Backend, blocks: &[Block]) -> Vec<Vec<u32>> {
+        let v = self.config.vocab_size;
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); blocks.len()];
+        let mut prev: Vec<u32> = blocks.iter().map(|b| b.anchor).collect();
+        for k in 0.. {
+            let active: Vec<usize> = (0..blocks.len()).filter(|&b| blocks[b].base_logits.len() > k * v).collect();
+            if active.is_empty() {
+                break;
+            }
+            let prevs: Vec<u32> = active.iter().map(|&b| prev[b]).collect();
+            let bias = self.markov_biases(be, &prevs);
+            for (j, &b) in active.iter().enumerate() {
+                let mut logits = blocks[b].base_logits[k * v..(k + 1) * v].to_vec();
+                be.add(&mut logits, &bias[j * v..(j + 1) * v]);
+                let next = crate::engine::speculative::argmax(&logits) as u32;
+                drafts[b].push(next);
+                prev[b] = next;
+            }
+        }
+        drafts
+    }
+
+    /// Reads each sequence's committed aux rows into its context, then drafts `t[s]` tokens
+    /// after `anchors[s]` with a greedy walk (the likeliest block, so the most of it matches):
+    /// the whole batch's context rows, block passes and walks in single passes.
+    pub fn propose(
+        &self,
+        target: &Model,
+        caches: &mut [&mut DraftCache],
+        pending: &[&[f32]],
+        anchors: &[u32],
+        t: &[usize],
+    ) -> Result<Vec<Vec<u32>>, ModelError> {
+        self.extend_contexts(target, caches, pending)?;
+        let blocks = self.blocks(target, caches, anchors, t, None)?;
+        Ok(self.walk_greedy(target.backend(), &blocks))
     }
 
     /// `W1[prev]` (`[markov_rank]`).
@@ -509,8 +668,14 @@ impl DsparkDraft {
 
     /// The Markov bias after `prev`: `W1[prev] · W2ᵀ` (`[V]`).
     pub fn markov_bias(&self, be: &dyn Backend, prev: u32) -> Vec<f32> {
-        let row = self.markov_row(be, prev);
-        self.markov_w2.matmul(be, &self.scratch, &row, 1).to_vec()
+        self.markov_biases(be, &[prev])
+    }
+
+    /// The Markov biases after each of `prevs`, `[prevs, V]`, in one product.
+    fn markov_biases(&self, be: &dyn Backend, prevs: &[u32]) -> Vec<f32> {
+        let mut rows = vec![0f32; prevs.len() * self.config.markov_rank];
+        be.embedding(&self.markov_w1.m(), prevs, &mut rows);
+        self.markov_w2.matmul(be, &self.scratch, &rows, prevs.len()).to_vec()
     }
 
     /// Walks the block: for k = 1..T, logits `U[k−1] + bias(x_(k−1))` and x_k picked by `pick`.

@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 use kimi_kernels::{f32_to_bf16_bits, mxfp4_quantize_row as quantize_row};
 
 use super::checkpoint::Dtype;
-use super::config::parse_config;
+use super::config::{TextConfig, parse_config};
+use super::dspark::{DsparkConfig, DsparkDraft};
 use super::error::ModelError;
 use super::forward::Model;
 use super::weights::NameRecorder;
@@ -180,6 +181,108 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
     let cfg_path = out.join("config.json");
     let text = serde_json::to_string_pretty(config_json).unwrap_or_default();
     std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))?;
+    Ok(())
+}
+
+/// The config of a random DSpark draft for a target of config `t`: the release draft's keys and
+/// YaRN values, tiny shapes, rows as wide as the target's latent rows (so they share its pages),
+/// up to five tapped layers spread below the target's last.
+pub fn tiny_draft_config(t: &TextConfig, layers: usize) -> Value {
+    let last = t.num_layers.saturating_sub(1).max(1);
+    let mut taps: Vec<usize> = (0..5).map(|i| 1 + i * last.saturating_sub(1) / 5).filter(|&l| l < last).collect();
+    taps.dedup();
+    let v = t.vocab_size as u64;
+    json!({
+        "architectures": ["K3DSparkModel"],
+        "model_type": "k3_dspark",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": 2 * t.hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": t.kv_lora_rank,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": t.qk_rope_head_dim,
+        "v_head_dim": 16,
+        "mla_use_nope": false,
+        "mla_use_output_gate": false,
+        "vocab_size": v,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1048576,
+        "rope_theta": 50000.0,
+        "num_target_layers": taps.len(),
+        "target_hidden_size": t.hidden_size,
+        "target_num_hidden_layers": t.num_layers,
+        "target_layer_ids": taps,
+        "mask_token_id": v.saturating_sub(3),
+        "bos_token_id": v.saturating_sub(256),
+        "eos_token_id": v.saturating_sub(254),
+        "pad_token_id": v.saturating_sub(1),
+        "markov_rank": 16,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": true,
+        "confidence_head_with_markov": true,
+        "tie_word_embeddings": false,
+        "draft_vocab_size": v,
+        "torch_dtype": "bfloat16",
+        "rope_parameters": {
+            "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32768,
+            "rope_theta": 50000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0
+        }
+    })
+}
+
+/// `make-draft`: a random DSpark draft for the target in `target_dir`, in the Inferact layout
+/// (BF16, no `lm_head`), written to `out`. The tensor list comes from the draft's own loader.
+/// Random weights propose almost nothing the target accepts; every code path is real.
+pub fn make_draft(target_dir: &Path, out: &Path, seed: u64, layers: usize) -> Result<(), ModelError> {
+    let target = super::config::load_config(target_dir)?;
+    let config_json = tiny_draft_config(&target.text, layers);
+    let config = DsparkConfig::parse(&config_json.to_string())?;
+    config.check_target(&target.text)?;
+    let mut rec = NameRecorder::new(|_| false);
+    DsparkDraft::build(config.clone(), &mut rec)?;
+    let mut tensors: Vec<(String, Vec<usize>)> =
+        rec.tensors.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+    tensors.sort();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, shape) in tensors {
+        let n: usize = shape.iter().product();
+        let mut normal = |scale: f32, shift: f32| -> Vec<f32> {
+            (0..n).map(|_| shift + scale * rng.sample::<f32, _>(StandardNormal)).collect()
+        };
+        // The dspark-tiny case's recipe (its case.json → weights.init).
+        let values = if name.ends_with("norm.weight") {
+            normal(0.05, 1.0)
+        } else if name == "markov_head.markov_w1.weight" {
+            normal(0.5, 0.0)
+        } else if name == "markov_head.markov_w2.weight" {
+            normal(1.0 / (config.markov_rank as f32).sqrt(), 0.0)
+        } else if name == "confidence_head.proj.bias" {
+            normal(0.1, 0.0)
+        } else {
+            normal(1.0 / (shape.get(1).copied().unwrap_or(1).max(1) as f32).sqrt(), 0.0)
+        };
+        let bytes = values.iter().flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes()).collect();
+        buffers.push((name, shape, bytes));
+    }
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    let views: Vec<(String, TensorView<'_>)> = buffers
+        .iter()
+        .map(|(n, s, b)| {
+            TensorView::new(StDtype::BF16, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ModelError::Header { path: out.display().to_string(), msg: format!("{n}: {e}") })
+        })
+        .collect::<Result<_, _>>()?;
+    let path = out.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &path)
+        .map_err(|e| ModelError::Header { path: path.display().to_string(), msg: e.to_string() })?;
+    let cfg_path = out.join("config.json");
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&config_json).unwrap_or_default())
+        .map_err(|e| io(&cfg_path, e))?;
     Ok(())
 }
 
