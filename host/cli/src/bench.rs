@@ -407,3 +407,114 @@ fn shares_text(shares: &BTreeMap<&'static str, f64>) -> String {
     v.sort_by(|a, b| b.1.total_cmp(&a.1));
     v.iter().map(|(k, v)| format!("{k} {:.0}%", 100.0 * v)).collect::<Vec<_>>().join(" · ")
 }
+
+/// `bench forward --draft`: one sequence decoded greedily with and without speculative decoding
+/// on the same prompt, in this run.
+#[derive(Debug, Serialize)]
+pub struct SpeculativeRun {
+    pub speculative_tokens: usize,
+    pub decode_tokens: usize,
+    pub plain_tokens_per_s: f64,
+    pub speculative_tokens_per_s: f64,
+    pub speedup: f64,
+    /// Verify steps, drafts proposed and accepted; mean accepted drafts per verify.
+    pub verify_steps: usize,
+    pub proposed: usize,
+    pub accepted: usize,
+    pub mean_accepted: f64,
+    /// Whether both runs emitted the same tokens (they must: greedy verification is exact).
+    pub same_tokens: bool,
+}
+
+impl std::fmt::Display for SpeculativeRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "speculative decoding (T = {}, {} tokens, batch 1, greedy): plain {:.1} tok/s · with the draft {:.1} tok/s · ×{:.2} · {} verify steps, {} of {} drafts accepted ({:.2} a step) · same tokens: {}",
+            self.speculative_tokens,
+            self.decode_tokens,
+            self.plain_tokens_per_s,
+            self.speculative_tokens_per_s,
+            self.speedup,
+            self.verify_steps,
+            self.accepted,
+            self.proposed,
+            self.mean_accepted,
+            if self.same_tokens { "yes" } else { "NO" }
+        )
+    }
+}
+
+/// Greedy decode of `decode` tokens after a `prompt_len` prompt, plain and then with `draft`
+/// proposing `t` tokens a step (verified in one forward with KDA snapshots, kept prefix
+/// committed by `accept`).
+pub fn bench_speculative(
+    model: &Model,
+    draft: &kimi_host::model::dspark::DsparkDraft,
+    prompt_len: usize,
+    decode: usize,
+    t: usize,
+) -> Result<SpeculativeRun, ModelError> {
+    use kimi_host::model::batch::AuxTap;
+    let c = model.text_config();
+    let v = c.vocab_size;
+    let prompt = prompt(c.vocab_size, prompt_len, 7);
+    // Plain.
+    let mut state = model.new_state();
+    let first = argmax(&model.forward(&prompt, &mut state, LogitsFor::LastToken, None)?) as u32;
+    let started = Instant::now();
+    let mut plain = vec![first];
+    while plain.len() < decode {
+        let last = plain[plain.len() - 1];
+        plain.push(argmax(&model.forward(&[last], &mut state, LogitsFor::LastToken, None)?) as u32);
+    }
+    let plain_secs = started.elapsed().as_secs_f64();
+    // Speculative.
+    let mut state = model.new_state();
+    let mut cache = draft.new_cache(&model.default_arenas().pages)?;
+    let mut pending = Vec::new();
+    let mut input = SeqInput::new(&prompt, &mut state, LogitsFor::LastToken);
+    input.aux = Some(AuxTap { layers: draft.taps(), rows: &mut pending });
+    let first = argmax(&model.forward_batch(&mut [input], None)?.remove(0)) as u32;
+    let started = Instant::now();
+    let mut out = vec![first];
+    let (mut steps, mut proposed, mut accepted) = (0, 0, 0);
+    while out.len() < decode {
+        let next = out[out.len() - 1];
+        let room = (decode - out.len()).saturating_sub(1).min(t);
+        let drafts = draft.propose(model, &mut [&mut cache], &[&pending], &[next], &[room])?.remove(0);
+        pending.clear();
+        let ids: Vec<u32> = std::iter::once(next).chain(drafts.iter().copied()).collect();
+        state.begin_verify(if drafts.is_empty() { 0 } else { ids.len() })?;
+        let mut aux = Vec::new();
+        let mut input = SeqInput::new(&ids, &mut state, LogitsFor::AllTokens);
+        input.aux = Some(AuxTap { layers: draft.taps(), rows: &mut aux });
+        let logits = model.forward_batch(&mut [input], None)?.remove(0);
+        let verdict = kimi_host::engine::speculative::verify_greedy(&drafts, &logits, v);
+        let kept = verdict.accepted + 1;
+        if !drafts.is_empty() {
+            state.accept(ids.len(), kept)?;
+            steps += 1;
+            proposed += drafts.len();
+            accepted += verdict.accepted;
+        }
+        pending.extend_from_slice(&aux[..kept * (aux.len() / ids.len())]);
+        out.extend_from_slice(&drafts[..verdict.accepted]);
+        out.push(verdict.next);
+    }
+    out.truncate(decode);
+    let spec_secs = started.elapsed().as_secs_f64();
+    let tps = |secs: f64| (decode.saturating_sub(1)) as f64 / secs.max(1e-12);
+    Ok(SpeculativeRun {
+        speculative_tokens: t,
+        decode_tokens: decode,
+        plain_tokens_per_s: tps(plain_secs),
+        speculative_tokens_per_s: tps(spec_secs),
+        speedup: plain_secs / spec_secs.max(1e-12),
+        verify_steps: steps,
+        proposed,
+        accepted,
+        mean_accepted: accepted as f64 / steps.max(1) as f64,
+        same_tokens: out == plain,
+    })
+}

@@ -387,6 +387,12 @@ enum BenchCommand {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// A DSpark draft for the model: also decode one sequence greedily with and without it.
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        /// Draft tokens a step with --draft.
+        #[arg(long, default_value_t = 4)]
+        num_speculative_tokens: usize,
         #[command(flatten)]
         spread: ModelArgs,
         #[arg(long)]
@@ -634,7 +640,17 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Soak { duration, concurrency, seed, hostile, json }) => {
             soak_cmd(duration, concurrency, seed, hostile, json)?
         }
-        Command::Bench(BenchCommand::Forward { model, prompt_len, decode, batch, threads, spread, json }) => {
+        Command::Bench(BenchCommand::Forward {
+            model,
+            prompt_len,
+            decode,
+            batch,
+            threads,
+            draft,
+            num_speculative_tokens,
+            spread,
+            json,
+        }) => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
             }
@@ -643,11 +659,36 @@ fn main() -> Result<()> {
             if batch.len() > 16 || batch.iter().any(|&b| b == 0 || b > MAX_BATCH) {
                 bail!("--batch takes at most 16 sizes, each from 1 to {MAX_BATCH}");
             }
+            if !(1..=16).contains(&num_speculative_tokens) {
+                bail!("--num-speculative-tokens must be 1..=16");
+            }
             let r = bench_forward(&model, prompt_len, decode, &batch, spread.parallelism(), spread.format())?;
+            let spec = match &draft {
+                Some(dir) => {
+                    let m = spread.load(&model)?;
+                    let d = kimi_host::model::dspark::DsparkDraft::load(dir, &m)
+                        .with_context(|| format!("loading the draft {}", dir.display()))?;
+                    Some(kimi_host_cli::bench::bench_speculative(
+                        &m,
+                        &d,
+                        prompt_len,
+                        decode.max(2),
+                        num_speculative_tokens,
+                    )?)
+                }
+                None => None,
+            };
             if json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
+                let mut v = serde_json::to_value(&r)?;
+                if let Some(s) = &spec {
+                    v["speculative"] = serde_json::to_value(s)?;
+                }
+                println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 print!("{r}");
+                if let Some(s) = &spec {
+                    print!("{s}");
+                }
             }
         }
     }

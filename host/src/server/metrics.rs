@@ -153,6 +153,7 @@ pub struct Metrics {
     pages_used: Gauge,
     pages_total: Gauge,
     state_bytes_used: Gauge,
+    spec_mean_accepted: Gauge<f64, std::sync::atomic::AtomicU64>,
     steps: Counter,
     prefill_tokens: Counter,
     decode_tokens: Counter,
@@ -229,6 +230,12 @@ impl Metrics {
         let pages_used = g(&mut r, "pool_pages_used", "Latent-cache pages in use");
         let pages_total = g(&mut r, "pool_pages_total", "Latent-cache pages in the pool");
         let state_bytes_used = g(&mut r, "pool_bytes_used", "Sequence-state bytes reserved");
+        let spec_mean_accepted = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        r.register(
+            "engine_spec_mean_accepted_tokens",
+            "Mean draft tokens accepted per speculative verify since start",
+            spec_mean_accepted.clone(),
+        );
         let c = |r: &mut Registry, name: &str, help: &str| {
             let c = Counter::default();
             r.register(name, help, c.clone());
@@ -289,6 +296,7 @@ impl Metrics {
             pages_used,
             pages_total,
             state_bytes_used,
+            spec_mean_accepted,
             steps,
             prefill_tokens,
             decode_tokens,
@@ -345,6 +353,10 @@ impl Metrics {
         self.pages_used.set(load(&stats.used_pages));
         self.pages_total.set(load(&stats.total_pages));
         self.state_bytes_used.set(load(&stats.used_bytes));
+        let rounds = stats.spec_rounds.load(Ordering::Relaxed);
+        if rounds > 0 {
+            self.spec_mean_accepted.set(stats.spec_accepted.load(Ordering::Relaxed) as f64 / rounds as f64);
+        }
         sync(&self.steps, stats.steps.load(Ordering::Relaxed));
         sync(&self.prefill_tokens, stats.prefill_tokens.load(Ordering::Relaxed));
         sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));

@@ -309,3 +309,60 @@ fn a_gpu_backend_without_a_gpu_is_a_clear_start_up_error() {
     let out = bin().args(["serve", "--backend", "tpu"]).output().expect("run");
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cpu, hip, cuda, auto"));
 }
+
+/// `speculate` writes the DSpark case's tensors; `make-draft` writes a draft for any target;
+/// `bench forward --draft` decodes with and without it (greedy: the same tokens); a draft made
+/// for another model is refused by name.
+#[test]
+fn speculate_make_draft_and_bench_with_a_draft() {
+    let g = common::golden_dir();
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("spec.safetensors");
+    run_ok(
+        bin()
+            .arg("speculate")
+            .arg("--model")
+            .arg(g.join("k3-tiny"))
+            .arg("--draft")
+            .arg(g.join("dspark-tiny"))
+            .arg("--case")
+            .arg(g.join("dspark-tiny"))
+            .arg("--out")
+            .arg(&file),
+    );
+    let written = kimi_host::model::checkpoint::Checkpoint::open_file(&file).expect("safetensors");
+    assert!(written.contains("greedy.round2.verify_logits") && written.contains("greedy_draft_t1.final_probs"));
+
+    let target = out.path().join("target");
+    let draft = out.path().join("draft");
+    run_ok(bin().args(["make-tiny", "--seed", "4", "--out"]).arg(&target));
+    run_ok(bin().arg("make-draft").arg("--target").arg(&target).arg("--out").arg(&draft));
+    let bench = run_ok(bin().args(["bench", "forward", "--model"]).arg(&target).arg("--draft").arg(&draft).args([
+        "--prompt-len",
+        "16",
+        "--decode",
+        "6",
+        "--num-speculative-tokens",
+        "3",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
+    assert_eq!(v["speculative"]["same_tokens"].as_bool(), Some(true), "{bench}");
+    assert!(v["speculative"]["proposed"].as_u64().is_some_and(|p| p > 0), "{bench}");
+
+    let wrong = bin()
+        .arg("speculate")
+        .arg("--model")
+        .arg(&target)
+        .arg("--draft")
+        .arg(g.join("dspark-tiny"))
+        .arg("--case")
+        .arg(g.join("dspark-tiny"))
+        .arg("--out")
+        .arg(&file)
+        .output()
+        .expect("run");
+    assert!(!wrong.status.success());
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(err.contains("target_hidden_size") || err.contains("vocab_size"), "{err}");
+}

@@ -71,6 +71,11 @@ fn start(dir: &Path, extra: &str) -> (Server, SocketAddr) {
 
 /// `extra` goes into `[limits]`; `tenants` is appended after the two standard tenants.
 fn start_with(dir: &Path, extra: &str, tenants: &str) -> (Server, SocketAddr) {
+    start_full(dir, extra, tenants, &[])
+}
+
+/// [`start_with`], with more `serve` flags.
+fn start_full(dir: &Path, extra: &str, tenants: &str, flags: &[&std::ffi::OsStr]) -> (Server, SocketAddr) {
     let model = dir.join("model");
     if !model.exists() {
         make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
@@ -101,6 +106,7 @@ fn start_with(dir: &Path, extra: &str, tenants: &str) -> (Server, SocketAddr) {
     let child = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
         .args(["serve", "--config"])
         .arg(&config)
+        .args(flags)
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
         .stdin(Stdio::null())
@@ -451,4 +457,49 @@ fn a_queued_stream_gets_keepalives() {
     let _ = s.read_to_end(&mut seen);
     let text = String::from_utf8_lossy(&seen);
     assert!(text.contains("data: [DONE]") && text.contains("finish_reason\":\"length"), "{text}");
+}
+
+/// `serve --draft DIR --num-speculative-tokens 3`: chat completions (streamed and not) are
+/// answered through speculative decoding, `/metrics` counts the verify rounds, and a draft that
+/// does not fit the model stops the start with its name.
+#[test]
+fn serve_with_a_draft_speculates_and_counts_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("model");
+    make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+    let draft = dir.path().join("draft");
+    kimi_host::model::tiny::make_draft(&model, &draft, 1, 2).expect("make-draft");
+    let flags = [std::ffi::OsStr::new("--draft"), draft.as_os_str(), "--num-speculative-tokens".as_ref(), "3".as_ref()];
+    let (_server, addr) = start_full(dir.path(), "", "", &flags);
+    for extra in [json!({"max_tokens": 12}), json!({"max_tokens": 12, "temperature": 1.0, "n": 2, "seed": 3})] {
+        let (status, v) = request(addr, "POST", "/v1/chat/completions", None, Some(&chat(extra)));
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"].as_u64().map(|n| n > 0), Some(true), "{v}");
+    }
+    let metrics = raw(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    );
+    let rounds = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kimi_engine_spec_verify_rounds_total "))
+        .and_then(|n| n.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no verify-round counter: {metrics}"));
+    assert!(rounds > 0.0, "{metrics}");
+    assert!(metrics.contains("engine_spec_mean_accepted_tokens"), "{metrics}");
+
+    // A draft made for another model is a start-up error naming the key.
+    let other = dir.path().join("other");
+    kimi_host::model::tiny::make_draft(&common::golden_dir().join("k3-tiny"), &other, 1, 2).expect("make-draft");
+    let out = Command::new(env!("CARGO_BIN_EXE_kimi-host"))
+        .args(["serve", "--model"])
+        .arg(&model)
+        .arg("--draft")
+        .arg(&other)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("draft") && err.contains("target_hidden_size"), "{err}");
 }
