@@ -71,8 +71,13 @@ fn prompt_text(i: usize) -> String {
 /// One streaming completion over a fresh loopback connection (HTTP/1.1, chunked SSE).
 async fn http_one(addr: SocketAddr, model: &str, i: usize, max_tokens: usize) -> anyhow::Result<Sample> {
     let body = json!({"model": model, "prompt": prompt_text(i), "max_tokens": max_tokens, "seed": i,
-        "temperature": 1.0, "stream": true, "stream_options": {"include_usage": true}})
-    .to_string();
+        "temperature": 1.0, "stream": true, "stream_options": {"include_usage": true}});
+    http_stream(addr, body).await
+}
+
+/// Streams one `/v1/completions` request with `body`.
+async fn http_stream(addr: SocketAddr, body: Value) -> anyhow::Result<Sample> {
+    let body = body.to_string();
     let t0 = Instant::now();
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
@@ -148,6 +153,7 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> anyho
             },
         },
         logprobs: None,
+        cache_salt: None,
     };
     let mut h = state.engine.submit(req)?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
@@ -164,6 +170,7 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> anyho
                 }
                 last = Some(now);
             }
+            SeqEvent::Cached { .. } => {}
             SeqEvent::Finished { .. } => break,
             SeqEvent::Failed { error, .. } => anyhow::bail!("{error}"),
         }
@@ -234,6 +241,62 @@ pub async fn bench_serve(
         rows.push(ServeBenchRow { concurrency: c, requests, http: h, in_process: p, throughput_ratio: ratio });
     }
     Ok(rows)
+}
+
+/// `bench serve --shared-prefix N`: TTFT of requests that share an N-token prefix, with the
+/// prefix cache and without (each request in a partition of its own), alternating, in one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SharedPrefixRow {
+    pub prefix_tokens: usize,
+    pub requests: usize,
+    pub ttft_p50_ms_cached: f64,
+    pub ttft_p50_ms_uncached: f64,
+    /// Uncached TTFT p50 ÷ cached TTFT p50.
+    pub speedup: f64,
+}
+
+pub async fn bench_shared_prefix(
+    state: Arc<AppState>,
+    prefix_tokens: usize,
+    requests: usize,
+) -> anyhow::Result<SharedPrefixRow> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = kimi_host::server::router(state.clone());
+    tokio::spawn(kimi_host::server::listener::serve(
+        listener,
+        app,
+        state.http.clone(),
+        std::future::pending(),
+        Duration::ZERO,
+    ));
+    // A prefix of about `prefix_tokens` tokens of this model's tokenizer.
+    let mut prefix = String::new();
+    let mut k = 0;
+    while state.tok.encode_text(&prefix).len() < prefix_tokens {
+        prefix.push_str(&format!("Rule {k}: answer briefly and cite the section you used. "));
+        k += 1;
+    }
+    let model = state.model_name.clone();
+    let body = |i: usize, salt: String| {
+        json!({"model": model, "prompt": format!("{prefix}\nQuestion {i}: what changed?"), "max_tokens": 1,
+            "seed": i, "temperature": 0.0, "stream": true, "cache_salt": salt})
+    };
+    // Warm-up: first-touch the weights and fill the cached partition once.
+    http_stream(addr, body(1_000_000, "bench-cached".into())).await?;
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for i in 0..requests.max(1) {
+        on.push(http_stream(addr, body(i, "bench-cached".into())).await?.ttft.as_secs_f64() * 1e3);
+        off.push(http_stream(addr, body(i, format!("bench-uncached-{i}"))).await?.ttft.as_secs_f64() * 1e3);
+    }
+    let (a, b) = (pct(&mut on, 0.5), pct(&mut off, 0.5));
+    Ok(SharedPrefixRow {
+        prefix_tokens: state.tok.encode_text(&prefix).len(),
+        requests: requests.max(1),
+        ttft_p50_ms_cached: a,
+        ttft_p50_ms_uncached: b,
+        speedup: if a > 0.0 { b / a } else { 0.0 },
+    })
 }
 
 pub fn print(rows: &[ServeBenchRow]) {

@@ -287,6 +287,9 @@ struct ServeOverrides {
     /// Draft tokens verified per step (sets `num_speculative_tokens`; default 4).
     #[arg(long)]
     num_speculative_tokens: Option<usize>,
+    /// Cache prompt prefixes (sets `engine.prefix_cache`).
+    #[arg(long)]
+    prefix_cache: bool,
 }
 
 #[derive(Subcommand)]
@@ -351,6 +354,10 @@ enum BenchCommand {
         requests: usize,
         #[arg(long, default_value_t = 32)]
         max_tokens: usize,
+        /// Instead: TTFT of requests sharing an N-token prefix, prefix cache on and off (turns
+        /// `engine.prefix_cache` on; `--requests` of each, alternating).
+        #[arg(long)]
+        shared_prefix: Option<usize>,
         #[arg(long)]
         json: bool,
     },
@@ -470,6 +477,7 @@ fn server_state(
     if over.num_speculative_tokens.is_some() {
         cfg.num_speculative_tokens = over.num_speculative_tokens;
     }
+    cfg.engine.prefix_cache |= over.prefix_cache;
     cfg.validate()?;
     if let Some(t) = cfg.threads {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting threads")?;
@@ -621,7 +629,38 @@ fn main() -> Result<()> {
                 print!("{r}");
             }
         }
-        Command::Bench(BenchCommand::Serve { config, model, concurrency, requests, max_tokens, json }) => {
+        Command::Bench(BenchCommand::Serve {
+            config,
+            model,
+            concurrency,
+            requests,
+            max_tokens,
+            shared_prefix,
+            json,
+        }) => {
+            if let Some(n) = shared_prefix {
+                if !(1..=1_000_000).contains(&n) {
+                    bail!("--shared-prefix takes 1..=1000000 tokens");
+                }
+                let over = ServeOverrides { prefix_cache: true, ..ServeOverrides::default() };
+                let (_, state) = server_state(config, model, None, over)?;
+                let engine = state.engine.clone();
+                let row = runtime()?.block_on(kimi_host_cli::bench_serve::bench_shared_prefix(
+                    state,
+                    n,
+                    requests.min(256),
+                ))?;
+                engine.shutdown(std::time::Duration::from_secs(1));
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&row)?);
+                } else {
+                    println!(
+                        "shared prefix of {} tokens, {} requests each: TTFT p50 {:.1} ms with the prefix cache, {:.1} ms without (×{:.2})",
+                        row.prefix_tokens, row.requests, row.ttft_p50_ms_cached, row.ttft_p50_ms_uncached, row.speedup
+                    );
+                }
+                return Ok(());
+            }
             let (_, state) = server_state(config, model, None, ServeOverrides::default())?;
             let engine = state.engine.clone();
             let rows = runtime()?.block_on(kimi_host_cli::bench_serve::bench_serve(

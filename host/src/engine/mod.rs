@@ -8,6 +8,7 @@
 //! The HTTP server and the in-process API (`Engine::submit`) share this one engine.
 
 pub mod pool;
+pub mod prefix;
 pub mod sampler;
 pub mod speculative;
 mod step;
@@ -40,6 +41,8 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Speculative decoding with a DSpark draft (`--draft`), or `None`.
     pub speculation: Option<Speculation>,
+    /// Prefix caching for requests that carry a cache salt (`GenRequest::cache_salt`).
+    pub prefix_cache: bool,
     /// Test hook: runs before every model call and every sampling pass and may panic, to
     /// simulate a fault inside a kernel. Only code can set it (not the config file).
     pub fault_probe: Option<FaultProbe>,
@@ -91,6 +94,7 @@ impl Default for EngineConfig {
             queue_timeout: Duration::from_secs(10),
             max_waiting: 256,
             speculation: None,
+            prefix_cache: false,
             fault_probe: None,
         }
     }
@@ -118,6 +122,9 @@ pub struct GenRequest {
     pub sampling: SamplingSpec,
     /// Log-probabilities: None, or Some(number of alternatives per token).
     pub logprobs: Option<usize>,
+    /// The prefix-cache partition this request reads and fills (its tenant's, or a shared one,
+    /// plus its own `cache_salt`); `None` keeps it out of the cache.
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -137,6 +144,10 @@ pub enum FinishReason {
 
 #[derive(Debug)]
 pub enum SeqEvent {
+    /// Sent first when the request's prompt starts from a cached prefix: its tokens.
+    Cached {
+        tokens: usize,
+    },
     /// A generated token of sequence `index`.
     Token {
         index: usize,
@@ -221,6 +232,14 @@ pub struct EngineStats {
     pub spec_rounds: AtomicU64,
     pub spec_proposed: AtomicU64,
     pub spec_accepted: AtomicU64,
+    /// Prefix cache: requests that started from a cached prefix, the prompt tokens they skipped,
+    /// entries stored and evicted, entries held and the bytes reserved for them.
+    pub prefix_hits: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    pub prefix_inserted: AtomicU64,
+    pub prefix_evictions: AtomicU64,
+    pub prefix_entries: AtomicUsize,
+    pub prefix_bytes: AtomicUsize,
     pub cancelled: AtomicU64,
     pub pool_timeouts: AtomicU64,
     /// Panics caught inside engine steps.
@@ -254,7 +273,11 @@ impl GenHandle {
 
 enum Command {
     Submit(Box<Pending>),
-    Shutdown { grace: Duration },
+    Shutdown {
+        grace: Duration,
+    },
+    /// Drops every cached prefix (their state goes back to the pool).
+    ClearPrefixCache,
 }
 
 struct Pending {
@@ -358,6 +381,12 @@ impl Engine {
     pub fn is_running(&self) -> bool {
         self.accepting.load(Ordering::Relaxed)
             && self.thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Drops every cached prefix; their slots and pages go back to the pool (asynchronously:
+    /// the engine thread does it before its next step).
+    pub fn clear_prefix_cache(&self) {
+        let _ = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::ClearPrefixCache);
     }
 
     /// Stops admitting, lets running sequences finish for up to `grace`, ends the rest with

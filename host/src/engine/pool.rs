@@ -114,6 +114,11 @@ impl StatePool {
         }
     }
 
+    /// Bytes a reservation stands for.
+    pub fn bytes_of(&self, r: Reservation) -> usize {
+        self.bytes(r)
+    }
+
     fn bytes(&self, r: Reservation) -> usize {
         r.slots.saturating_mul(self.shape.slot_bytes).saturating_add(r.pages.saturating_mul(self.shape.page_bytes))
     }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::pool::{Reservation, StatePool};
+use super::prefix::{BLOCK_TOKENS, PrefixCache};
 use super::sampler::{SamplerError, SamplerSeq, SharedSampler};
 use super::{
     Command, EngineConfig, EngineError, EngineStats, FaultPoint, FinishReason, GenRequest, Pending, SeqEvent,
@@ -113,6 +114,8 @@ pub(super) struct Worker {
     draining: Option<Instant>,
     /// KDA slots and latent pages, as many as the pool can grant, allocated at start-up.
     arenas: StateArenas,
+    /// Cached prompt prefixes (`EngineConfig::prefix_cache`).
+    prefix: Option<PrefixCache>,
 }
 
 impl Worker {
@@ -123,7 +126,18 @@ impl Worker {
         stats: Arc<EngineStats>,
         arenas: StateArenas,
     ) -> Worker {
-        Worker { model, config, pool, stats, waiting: VecDeque::new(), running: Vec::new(), draining: None, arenas }
+        let prefix = config.prefix_cache.then(PrefixCache::default);
+        Worker {
+            model,
+            config,
+            pool,
+            stats,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            draining: None,
+            arenas,
+            prefix,
+        }
     }
 
     pub(super) fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -147,6 +161,11 @@ impl Worker {
                             let _ = p.tx.send(SeqEvent::Failed { index: None, error: EngineError::ShuttingDown });
                         } else {
                             self.waiting.push_back(p);
+                        }
+                    }
+                    Command::ClearPrefixCache => {
+                        if let Some(pc) = self.prefix.as_mut() {
+                            pc.clear(&mut self.pool);
                         }
                     }
                     Command::Shutdown { grace } => {
@@ -224,6 +243,15 @@ impl Worker {
         s.used_bytes.store(self.pool.used_bytes(), Ordering::Relaxed);
         s.running_requests.store(self.running.len(), Ordering::Relaxed);
         s.running_seqs.store(self.running.iter().map(Running::live).sum(), Ordering::Relaxed);
+        if let Some(pc) = &self.prefix {
+            let p = pc.stats();
+            s.prefix_hits.store(p.hits, Ordering::Relaxed);
+            s.prefix_hit_tokens.store(p.hit_tokens, Ordering::Relaxed);
+            s.prefix_inserted.store(p.inserted, Ordering::Relaxed);
+            s.prefix_evictions.store(p.evictions, Ordering::Relaxed);
+            s.prefix_entries.store(p.entries, Ordering::Relaxed);
+            s.prefix_bytes.store(p.bytes, Ordering::Relaxed);
+        }
     }
 
     /// Gives back a finished or abandoned request's state and sampler sequences.
@@ -286,7 +314,15 @@ impl Worker {
             let n = p.req.n;
             let live: usize = self.running.iter().map(|r| r.seqs.len().max(r.req.n)).sum();
             let res = self.pool.reservation(n, p.req.prompt.len(), p.req.max_tokens);
-            if live + n > self.config.max_seqs || !self.pool.try_reserve(res) {
+            if live + n > self.config.max_seqs {
+                break;
+            }
+            // Cached prefixes give their state back before anyone has to wait for it.
+            let mut reserved = self.pool.try_reserve(res);
+            while !reserved && self.prefix.as_mut().is_some_and(|pc| pc.evict_one(&mut self.pool)) {
+                reserved = self.pool.try_reserve(res);
+            }
+            if !reserved {
                 break;
             }
             let Some(p) = self.waiting.pop_front() else { break };
@@ -303,7 +339,7 @@ impl Worker {
 
     /// Creates the request's sampler sequences (they see the prompt) and its first state.
     #[allow(clippy::result_large_err)]
-    fn start(&self, p: Pending, res: Reservation) -> Result<Running, (UnboundedSender<SeqEvent>, EngineError)> {
+    fn start(&mut self, p: Pending, res: Reservation) -> Result<Running, (UnboundedSender<SeqEvent>, EngineError)> {
         let Pending { req, tx, cancel, .. } = p;
         let mut handles = Vec::with_capacity(req.n);
         {
@@ -321,8 +357,21 @@ impl Worker {
                 }
             }
         }
-        // Sequence 0's state (prefilled; the others fork it afterwards), from the engine's arena.
-        let mut first = match self.model.new_state_in(&self.arenas) {
+        // Sequence 0's state (prefilled; the others fork it afterwards), from the engine's arena:
+        // a fork of the deepest cached prefix when there is one.
+        let hit = match (self.prefix.as_mut(), &req.cache_salt) {
+            (Some(pc), Some(salt)) => pc.lookup(salt, &req.prompt),
+            _ => None,
+        };
+        let cached = hit.as_ref().map_or(0, |h| h.tokens);
+        if cached > 0 {
+            let _ = tx.send(SeqEvent::Cached { tokens: cached });
+        }
+        let fresh = match hit {
+            Some(h) => Ok(h.state),
+            None => self.model.new_state_in(&self.arenas),
+        };
+        let mut first = match fresh {
             Ok(mut st) => {
                 st.reserve_tokens(req.prompt.len() + req.max_tokens);
                 Some(st)
@@ -366,7 +415,7 @@ impl Worker {
                 spec: if i == 0 { spec0.take() } else { None },
             })
             .collect();
-        Ok(Running { req, tx, cancel, reservation: res, prefilled: 0, seqs })
+        Ok(Running { req, tx, cancel, reservation: res, prefilled: cached, seqs })
     }
 
     /// One scheduling step.
@@ -384,7 +433,16 @@ impl Worker {
                 break;
             }
             if r.in_prefill() {
-                let take = (r.req.prompt.len() - r.prefilled).min(budget);
+                let mut take = (r.req.prompt.len() - r.prefilled).min(budget);
+                if self.prefix.is_some() && r.req.cache_salt.is_some() {
+                    // Stop on the last block boundary within reach (short of the final token),
+                    // so the state there can be cached; the rest comes in a later chunk.
+                    let end = (r.prefilled + take).min(r.req.prompt.len() - 1);
+                    let boundary = end / BLOCK_TOKENS * BLOCK_TOKENS;
+                    if boundary > r.prefilled {
+                        take = boundary - r.prefilled;
+                    }
+                }
                 budget -= take;
                 prefill.push((i, take));
             }
@@ -503,6 +561,12 @@ impl Worker {
                             // A finished prompt yields the first rows of all `n` sequences.
                             let r = &mut self.running[entry.run];
                             r.prefilled += entry.tokens;
+                            if let (Some(pc), Some(salt)) = (self.prefix.as_mut(), &r.req.cache_salt)
+                                && r.in_prefill()
+                                && r.prefilled.is_multiple_of(BLOCK_TOKENS)
+                            {
+                                pc.insert(&mut self.pool, salt, &r.req.prompt, &r.seqs[0].state);
+                            }
                             if !r.in_prefill() {
                                 // Forks take a KDA slot each (the pool reserved them at admission)
                                 // and share the prompt's pages — the draft's too, once it has

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
+use super::config::PrefixPartition;
 use super::openai::{ApiError, GenParams, gen_params, new_id, unix_now};
 use super::tenants::{InFlight, LoadedPlugin, Tenant};
 use super::{Shared, json_object};
@@ -190,6 +191,7 @@ async fn run(
         _in_flight: in_flight,
         first_token: None,
         stop_tokens,
+        cached_tokens: 0,
     };
     if run.params.stream {
         let keepalive = std::time::Duration::from_millis(s.http.sse_keepalive_ms);
@@ -284,6 +286,15 @@ fn prepare(
     });
     let parser_info = RequestInfo { params_json: thinking_fields(&obj).to_string(), ..info.clone() };
     let prompt_len = prompt.len();
+    // The prefix-cache partition: the tenant's own (its name) or the shared one, narrowed by the
+    // request's `cache_salt`. What is hashed are the rendered ids, after the template.
+    let cache_salt = match tenant.prefix_cache {
+        PrefixPartition::Off => None,
+        PrefixPartition::Tenant => {
+            Some(format!("tenant\u{0}{}\u{0}{}", tenant.name, p.cache_salt.as_deref().unwrap_or("")))
+        }
+        PrefixPartition::Shared => Some(format!("shared\u{0}\u{0}{}", p.cache_salt.as_deref().unwrap_or(""))),
+    };
     Ok(Prepared {
         request: GenRequest {
             prompt,
@@ -303,6 +314,7 @@ fn prepare(
                 },
             },
             logprobs: p.logprobs,
+            cache_salt: if s.engine.config.prefix_cache { cache_salt } else { None },
         },
         template,
         parser_info,
@@ -518,6 +530,8 @@ struct Run {
     first_token: Option<Instant>,
     /// The tokens that end a sequence (kept out of text, logprobs stay with the text).
     stop_tokens: Vec<u32>,
+    /// Prompt tokens served from the prefix cache (`usage.prompt_tokens_details`).
+    cached_tokens: usize,
 }
 
 /// What one step of a sequence adds to its answer.
@@ -692,12 +706,17 @@ impl SeqOut {
 impl Run {
     fn usage(&self, outs: &[SeqOut]) -> Value {
         let completion: usize = outs.iter().map(|o| o.tokens).sum();
-        json!({"prompt_tokens": self.prompt_len, "completion_tokens": completion, "total_tokens": self.prompt_len + completion})
+        json!({"prompt_tokens": self.prompt_len, "completion_tokens": completion, "total_tokens": self.prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
     /// Applies one engine event; returns (sequence index, deltas), or an error for the request.
     fn apply(&mut self, ev: SeqEvent, outs: &mut [SeqOut]) -> Result<Option<(usize, Vec<Delta>)>, ApiError> {
         match ev {
+            SeqEvent::Cached { tokens } => {
+                self.cached_tokens = tokens;
+                Ok(None)
+            }
             SeqEvent::Token { index, id, logprob } => {
                 self.admitted.generated = self.admitted.generated.saturating_add(1);
                 let now = Instant::now();

@@ -88,6 +88,9 @@ pub struct EngineSection {
     pub max_waiting: usize,
     /// Seconds running streams get to finish on SIGTERM.
     pub shutdown_grace_s: u64,
+    /// Cache prompt prefixes (KDA states at 64-token block boundaries, shared latent pages),
+    /// partitioned per tenant (see each tenant's `prefix_cache`).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineSection {
@@ -100,6 +103,7 @@ impl Default for EngineSection {
             queue_timeout_ms: d.queue_timeout.as_millis() as u64,
             max_waiting: d.max_waiting,
             shutdown_grace_s: 30,
+            prefix_cache: false,
         }
     }
 }
@@ -118,6 +122,7 @@ impl EngineSection {
             queue_timeout: Duration::from_millis(self.queue_timeout_ms),
             max_waiting: self.max_waiting,
             speculation: None,
+            prefix_cache: self.prefix_cache,
             fault_probe: None,
         })
     }
@@ -257,6 +262,20 @@ pub struct TenantConfig {
     /// refuses with 429.
     #[serde(default)]
     pub quota_store_failure: QuotaFailure,
+    /// Which prefix-cache partition this tenant's requests use (with `engine.prefix_cache`):
+    /// `tenant` (its own; default), `shared` (one partition for every tenant that says so) or
+    /// `off`.
+    #[serde(default)]
+    pub prefix_cache: PrefixPartition,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixPartition {
+    #[default]
+    Tenant,
+    Shared,
+    Off,
 }
 
 fn default_concurrency() -> usize {
@@ -342,6 +361,7 @@ impl ServeConfig {
                 thinking_budgets: BTreeMap::new(),
                 allow_uploads: true,
                 quota_store_failure: QuotaFailure::Open,
+                prefix_cache: PrefixPartition::Tenant,
             }],
         }
     }
@@ -421,6 +441,11 @@ impl ServeConfig {
             return Err(ConfigError::Invalid(format!(
                 "num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, not {t}"
             )));
+        }
+        if self.engine.prefix_cache && self.draft.is_some() {
+            return Err(ConfigError::Invalid(
+                "engine.prefix_cache and a draft together are not supported yet: a cached prefix does not carry the draft's context rows".into(),
+            ));
         }
         if self.num_speculative_tokens.is_some() && self.draft.is_none() {
             return Err(ConfigError::Invalid("num_speculative_tokens needs a draft (draft = \"<dir>\")".into()));

@@ -158,6 +158,12 @@ pub struct Metrics {
     prefill_tokens: Counter,
     decode_tokens: Counter,
     spec_rounds: Counter,
+    prefix_hits: Counter,
+    prefix_hit_tokens: Counter,
+    prefix_inserted: Counter,
+    prefix_evictions: Counter,
+    prefix_entries: Gauge,
+    prefix_bytes: Gauge,
     spec_proposed: Counter,
     spec_accepted: Counter,
     cancelled: Counter,
@@ -230,6 +236,8 @@ impl Metrics {
         let pages_used = g(&mut r, "pool_pages_used", "Latent-cache pages in use");
         let pages_total = g(&mut r, "pool_pages_total", "Latent-cache pages in the pool");
         let state_bytes_used = g(&mut r, "pool_bytes_used", "Sequence-state bytes reserved");
+        let prefix_entries = g(&mut r, "prefix_cache_entries", "Prefix states held");
+        let prefix_bytes = g(&mut r, "prefix_cache_bytes", "Pool bytes reserved by cached prefix states");
         let spec_mean_accepted = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         r.register(
             "engine_spec_mean_accepted_tokens",
@@ -250,6 +258,10 @@ impl Metrics {
             "Speculative verify steps (one per sequence and step that proposed)",
         );
         let spec_proposed = c(&mut r, "engine_spec_proposed_tokens", "Draft tokens proposed for verification");
+        let prefix_hits = c(&mut r, "prefix_cache_hits", "Requests that started from a cached prompt prefix");
+        let prefix_hit_tokens = c(&mut r, "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache");
+        let prefix_inserted = c(&mut r, "prefix_cache_stored", "Prefix states stored (KDA snapshot + shared pages)");
+        let prefix_evictions = c(&mut r, "prefix_cache_evictions", "Prefix states evicted (least recently used first)");
         let spec_accepted = c(
             &mut r,
             "engine_spec_accepted_tokens",
@@ -301,6 +313,12 @@ impl Metrics {
             prefill_tokens,
             decode_tokens,
             spec_rounds,
+            prefix_hits,
+            prefix_hit_tokens,
+            prefix_inserted,
+            prefix_evictions,
+            prefix_entries,
+            prefix_bytes,
             spec_proposed,
             spec_accepted,
             cancelled,
@@ -361,6 +379,12 @@ impl Metrics {
         sync(&self.prefill_tokens, stats.prefill_tokens.load(Ordering::Relaxed));
         sync(&self.decode_tokens, stats.decode_tokens.load(Ordering::Relaxed));
         sync(&self.spec_rounds, stats.spec_rounds.load(Ordering::Relaxed));
+        sync(&self.prefix_hits, stats.prefix_hits.load(Ordering::Relaxed));
+        sync(&self.prefix_hit_tokens, stats.prefix_hit_tokens.load(Ordering::Relaxed));
+        sync(&self.prefix_inserted, stats.prefix_inserted.load(Ordering::Relaxed));
+        sync(&self.prefix_evictions, stats.prefix_evictions.load(Ordering::Relaxed));
+        self.prefix_entries.set(load(&stats.prefix_entries));
+        self.prefix_bytes.set(load(&stats.prefix_bytes));
         sync(&self.spec_proposed, stats.spec_proposed.load(Ordering::Relaxed));
         sync(&self.spec_accepted, stats.spec_accepted.load(Ordering::Relaxed));
         sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));

@@ -91,7 +91,12 @@ pub struct GenParams {
     pub sampler: Option<String>,
     pub template: Option<String>,
     pub grammar: Option<String>,
+    /// Narrows the request's prefix-cache partition (vLLM's `cache_salt`).
+    pub cache_salt: Option<String>,
 }
+
+/// Longest `cache_salt`.
+pub const MAX_CACHE_SALT: usize = 256;
 
 /// The fields of a request body that the host reads (`messages`, `prompt`, `tools` and the rest
 /// go to the template plugin and policies as JSON). Parsed with `serde_path_to_error`, so a
@@ -109,6 +114,7 @@ struct CommonWire {
     logprobs: Option<Logprobs>,
     top_logprobs: Option<i64>,
     plugins: Option<PluginChoice>,
+    cache_salt: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -224,6 +230,9 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
     }
 
     let plugins = w.plugins.unwrap_or(PluginChoice { sampler: None, template: None, grammar: None });
+    if w.cache_salt.as_ref().is_some_and(|c| c.len() > MAX_CACHE_SALT) {
+        return Err(ApiError::param("cache_salt", format!("cache_salt is longer than {MAX_CACHE_SALT} bytes")));
+    }
     Ok(GenParams {
         model,
         n,
@@ -237,6 +246,7 @@ pub fn gen_params(body: &Map<String, Value>, max_n: usize, vocab: u32) -> Result
         sampler: plugins.sampler,
         template: plugins.template,
         grammar: plugins.grammar,
+        cache_salt: w.cache_salt,
     })
 }
 

@@ -90,6 +90,7 @@ pub struct Tenant {
     pub in_flight: AtomicUsize,
     pub thinking_budgets: Vec<EffortBudget>,
     pub allow_uploads: bool,
+    pub prefix_cache: crate::server::config::PrefixPartition,
 }
 
 /// Why a change to a tenant's plugin list was refused.
@@ -267,6 +268,7 @@ impl Tenant {
                 .map(|(e, t)| EffortBudget { effort: e.clone(), tokens: *t })
                 .collect(),
             allow_uploads: c.allow_uploads,
+            prefix_cache: c.prefix_cache,
         })
     }
 

@@ -239,6 +239,7 @@ fn required_tool_calls_validate_with_speculation_on() {
                 info: SamplerRequest::default(),
             },
             logprobs: None,
+            cache_salt: None,
         };
         e.submit(req).expect("submit")
     };
@@ -249,6 +250,7 @@ fn required_tool_calls_validate_with_speculation_on() {
                 Some(SeqEvent::Token { id, .. }) => ids.push(id),
                 Some(SeqEvent::Finished { .. }) => return ids,
                 Some(SeqEvent::Failed { error, .. }) => panic!("failed: {error}"),
+                Some(SeqEvent::Cached { .. }) => {}
                 None => panic!("stream closed early"),
             }
         }

@@ -57,6 +57,7 @@ fn request(f: &Fixture, prompt: Vec<u32>, max_tokens: usize, n: usize, params: &
             },
         },
         logprobs: None,
+        cache_salt: None,
     }
 }
 
@@ -82,6 +83,7 @@ fn drain(h: &mut kimi_host::engine::GenHandle, n: usize) -> Result<Vec<(Vec<u32>
             Some(SeqEvent::Token { index, id, .. }) => toks[index].push(id),
             Some(SeqEvent::Finished { index, reason }) => reasons[index] = Some(reason),
             Some(SeqEvent::Failed { error, .. }) => return Err(error),
+            Some(SeqEvent::Cached { .. }) => {}
             None => panic!("engine closed the stream early"),
         }
     }

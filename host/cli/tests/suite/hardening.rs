@@ -503,3 +503,55 @@ fn serve_with_a_draft_speculates_and_counts_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("draft") && err.contains("target_hidden_size"), "{err}");
 }
+
+/// With `engine.prefix_cache`, a repeated conversation reports its cached prompt tokens in
+/// `usage.prompt_tokens_details.cached_tokens`; another tenant sending the same text gets 0
+/// (partitions are per tenant), two tenants that opted into `shared` do hit each other, a
+/// request's own `cache_salt` starts a partition of its own, and `/metrics` counts the hits.
+#[test]
+fn prefix_cache_hits_stay_inside_their_tenant() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tenants = format!(
+        "[[tenants]]\nname = \"s1\"\napi_key_sha256 = [\"{}\"]\nprefix_cache = \"shared\"\n\
+         [[tenants]]\nname = \"s2\"\napi_key_sha256 = [\"{}\"]\nprefix_cache = \"shared\"\n\
+         [engine]\nprefix_cache = true\n",
+        key_hash("s1-key"),
+        key_hash("s2-key"),
+    );
+    let (_server, addr) = start_with(dir.path(), "", &tenants);
+    let system = "You are a careful assistant. ".repeat(12);
+    let body = |extra: Value| {
+        let mut b = json!({"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cached = |key: Option<&str>, extra: Value| -> u64 {
+        let (status, v) = request(addr, "POST", "/v1/chat/completions", key, Some(&body(extra)));
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or_else(|| panic!("no cached_tokens: {v}"))
+    };
+    assert_eq!(cached(None, json!({})), 0, "first time: nothing cached");
+    let again = cached(None, json!({}));
+    assert!(again >= 64, "the same conversation again hits its prefix ({again})");
+    assert_eq!(cached(Some("other-key"), json!({})), 0, "another tenant never sees it");
+    assert_eq!(cached(None, json!({"cache_salt": "mine"})), 0, "a cache_salt is a partition of its own");
+    assert_eq!(cached(Some("s1-key"), json!({})), 0);
+    assert!(cached(Some("s2-key"), json!({})) >= 64, "tenants that share a partition hit each other");
+    let (status, v) =
+        request(addr, "POST", "/v1/chat/completions", None, Some(&body(json!({"cache_salt": "x".repeat(300)}))));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("cache_salt")), "{v}");
+    let metrics = raw(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    );
+    let hits = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kimi_prefix_cache_hits_total "))
+        .and_then(|n| n.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no hit counter: {metrics}"));
+    assert_eq!(hits, 2.0, "{metrics}");
+}

@@ -25,6 +25,7 @@ mod parallel;
 mod plan;
 mod plugins;
 mod policies;
+mod prefix_cache;
 mod sampling_core;
 mod serve;
 mod template_plugin;

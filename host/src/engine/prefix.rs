@@ -1,0 +1,169 @@
+//! Prefix caching that is safe for KDA (spec: issue "prefix caching"; ATOM turns it off for K3).
+//!
+//! A KDA layer's recurrent state cannot be cut at an arbitrary token, so the cache keeps whole
+//! sequence states at block boundaries: when a caching request's prefill stops at a multiple of
+//! [`BLOCK_TOKENS`] (the engine aligns its chunks to them), the state there is forked into the
+//! cache — a copy of the KDA slot and every latent page shared by reference count (full pages,
+//! never written again). A later request whose prompt starts with the same blocks forks the
+//! deepest cached state and prefills only the rest. Cached states are never updated in place.
+//!
+//! Keys chain a SHA-256 over the partition salt and each block's token ids, so a prefix is
+//! found only under the salt it was stored with: tenants never hit each other's prefixes unless
+//! both opted into one shared partition, and a request's own `cache_salt` narrows it further.
+//! Each cached state holds a pool reservation (its slot and the pages its last blocks added);
+//! under pressure the least recently used are evicted before any request is refused.
+
+use std::collections::HashMap;
+
+use sha2::{Digest, Sha256};
+
+use super::pool::{PAGE_TOKENS, Reservation, StatePool};
+use crate::model::SequenceState;
+
+/// Tokens per cache block: four latent pages. The block only sets the hashing grain and where
+/// prefill chunks may stop; KDA snapshots are taken at chunk ends that fall on a block.
+pub const BLOCK_TOKENS: usize = 4 * PAGE_TOKENS;
+
+type Key = [u8; 32];
+
+struct Node {
+    state: SequenceState,
+    reservation: Reservation,
+    last_used: u64,
+}
+
+/// What a lookup found: a fork of the cached state and the prompt tokens it already holds.
+pub struct Hit {
+    pub state: SequenceState,
+    pub tokens: usize,
+}
+
+/// Counters for `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    pub hits: u64,
+    pub hit_tokens: u64,
+    pub inserted: u64,
+    pub evictions: u64,
+    pub entries: usize,
+    /// Reserved bytes of the cached states (KDA snapshots and the pages they added).
+    pub bytes: usize,
+}
+
+#[derive(Default)]
+pub struct PrefixCache {
+    nodes: HashMap<Key, Node>,
+    tick: u64,
+    stats: PrefixStats,
+}
+
+/// The keys of `tokens`' full blocks under `salt`: `keys[i]` covers blocks `0..=i`.
+fn block_keys(salt: &str, tokens: &[u32]) -> Vec<Key> {
+    let mut prev: Key = Sha256::digest(salt.as_bytes()).into();
+    tokens
+        .chunks_exact(BLOCK_TOKENS)
+        .map(|block| {
+            let mut h = Sha256::new();
+            h.update(prev);
+            for t in block {
+                h.update(t.to_le_bytes());
+            }
+            prev = h.finalize().into();
+            prev
+        })
+        .collect()
+}
+
+impl PrefixCache {
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats { entries: self.nodes.len(), ..self.stats }
+    }
+
+    /// The deepest cached state for a prompt under `salt`, forked (a KDA slot from the arena;
+    /// pages shared). At least one prompt token is always left to prefill, so the request still
+    /// gets its first logits from a forward. `None` on a miss, or when no slot is free.
+    pub fn lookup(&mut self, salt: &str, prompt: &[u32]) -> Option<Hit> {
+        let usable = prompt.len().saturating_sub(1);
+        let keys = block_keys(salt, &prompt[..usable]);
+        let (i, key) = keys.iter().enumerate().rev().find(|(_, k)| self.nodes.contains_key(*k))?;
+        self.tick += 1;
+        let node = self.nodes.get_mut(key)?;
+        node.last_used = self.tick;
+        let state = node.state.fork().ok()?;
+        let tokens = (i + 1) * BLOCK_TOKENS;
+        self.stats.hits += 1;
+        self.stats.hit_tokens += tokens as u64;
+        Some(Hit { state, tokens })
+    }
+
+    /// Caches `state`, which holds the first `state.len` tokens of `prompt` (a block boundary),
+    /// under `salt`, reserving its slot and new pages in `pool` (evicting older entries if that
+    /// is what it takes). Does nothing if the prefix is cached already or does not fit.
+    pub fn insert(&mut self, pool: &mut StatePool, salt: &str, prompt: &[u32], state: &SequenceState) {
+        let len = state.len;
+        if len == 0 || !len.is_multiple_of(BLOCK_TOKENS) || len > prompt.len() {
+            return;
+        }
+        let keys = block_keys(salt, &prompt[..len]);
+        let Some(&key) = keys.last() else { return };
+        self.tick += 1;
+        if let Some(n) = self.nodes.get_mut(&key) {
+            n.last_used = self.tick;
+            return;
+        }
+        // Pages this entry adds beyond the deepest cached ancestor (those it shares are counted
+        // there); its own slot.
+        let parent = keys[..keys.len() - 1].iter().rposition(|k| self.nodes.contains_key(k)).map_or(0, |i| i + 1);
+        let pages = (len - parent * BLOCK_TOKENS) / PAGE_TOKENS;
+        let reservation = Reservation { slots: 1, pages };
+        while !pool.try_reserve(reservation) {
+            if !self.evict_one(pool) {
+                return;
+            }
+        }
+        match state.fork() {
+            Ok(copy) => {
+                self.nodes.insert(key, Node { state: copy, reservation, last_used: self.tick });
+                self.stats.inserted += 1;
+                self.stats.bytes += pool.bytes_of(reservation);
+            }
+            Err(_) => pool.release(reservation),
+        }
+    }
+
+    /// Drops the least recently used entry and gives its reservation back; false when empty.
+    pub fn evict_one(&mut self, pool: &mut StatePool) -> bool {
+        let Some(key) = self.nodes.iter().min_by_key(|(_, n)| n.last_used).map(|(k, _)| *k) else {
+            return false;
+        };
+        if let Some(n) = self.nodes.remove(&key) {
+            pool.release(n.reservation);
+            self.stats.bytes = self.stats.bytes.saturating_sub(pool.bytes_of(n.reservation));
+            self.stats.evictions += 1;
+        }
+        true
+    }
+
+    /// Drops every entry.
+    pub fn clear(&mut self, pool: &mut StatePool) {
+        while self.evict_one(pool) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_chain_blocks_under_their_salt() {
+        let a: Vec<u32> = (0..3 * BLOCK_TOKENS as u32).collect();
+        let mut b = a.clone();
+        b[2 * BLOCK_TOKENS + 5] = 9999;
+        let (ka, kb) = (block_keys("t", &a), block_keys("t", &b));
+        assert_eq!(ka.len(), 3);
+        assert_eq!(ka[..2], kb[..2], "a shared prefix has the same keys");
+        assert_ne!(ka[2], kb[2]);
+        assert!(block_keys("u", &a).iter().zip(&ka).all(|(x, y)| x != y), "another salt shares nothing");
+        assert_eq!(block_keys("t", &a[..BLOCK_TOKENS - 1]).len(), 0, "only full blocks");
+    }
+}
