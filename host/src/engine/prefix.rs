@@ -53,9 +53,16 @@ pub struct PrefixStats {
 #[derive(Default)]
 pub struct PrefixCache {
     nodes: HashMap<Key, Node>,
+    /// Block keys of prompts seen, with or without a stored state: where a new prompt leaves a
+    /// seen path is where the next state is worth storing (the split point of SGLang's radix
+    /// tree), e.g. the end of a system prompt that many conversations share.
+    seen: std::collections::HashSet<Key>,
     tick: u64,
     stats: PrefixStats,
 }
+
+/// Most block keys remembered in `seen` (32 bytes each); past it the set starts over.
+const MAX_SEEN: usize = 1 << 20;
 
 /// The keys of `tokens`' full blocks under `salt`: `keys[i]` covers blocks `0..=i`.
 fn block_keys(salt: &str, tokens: &[u32]) -> Vec<Key> {
@@ -94,6 +101,27 @@ impl PrefixCache {
         self.stats.hits += 1;
         self.stats.hit_tokens += tokens as u64;
         Some(Hit { state, tokens })
+    }
+
+    /// Where a caching request's prefill should stop once to store a state: the deepest block
+    /// boundary of its prompt (short of the final token, past `cached`) that an earlier prompt
+    /// under `salt` also reached but where no state is stored — the point where the two part.
+    /// Records the prompt's blocks as seen.
+    pub fn split_point(&mut self, salt: &str, prompt: &[u32], cached: usize) -> Option<usize> {
+        let usable = prompt.len().saturating_sub(1);
+        let keys = block_keys(salt, &prompt[..usable]);
+        let split = keys
+            .iter()
+            .enumerate()
+            .take_while(|(_, k)| self.seen.contains(*k))
+            .map(|(i, _)| (i + 1) * BLOCK_TOKENS)
+            .last()
+            .filter(|&b| b > cached && !self.nodes.contains_key(&keys[b / BLOCK_TOKENS - 1]));
+        if self.seen.len() + keys.len() > MAX_SEEN {
+            self.seen.clear();
+        }
+        self.seen.extend(keys);
+        split
     }
 
     /// Caches `state`, which holds the first `state.len` tokens of `prompt` (a block boundary),
@@ -165,5 +193,18 @@ mod tests {
         assert_ne!(ka[2], kb[2]);
         assert!(block_keys("u", &a).iter().zip(&ka).all(|(x, y)| x != y), "another salt shares nothing");
         assert_eq!(block_keys("t", &a[..BLOCK_TOKENS - 1]).len(), 0, "only full blocks");
+    }
+
+    #[test]
+    fn the_split_point_is_where_a_prompt_leaves_a_seen_path() {
+        let mut pc = PrefixCache::default();
+        let shared: Vec<u32> = (0..2 * BLOCK_TOKENS as u32 + 10).collect();
+        let with = |tail: u32| -> Vec<u32> {
+            shared.iter().copied().chain((0..100).map(|i| 5000 + tail * 1000 + i)).collect()
+        };
+        assert_eq!(pc.split_point("t", &with(1), 0), None, "nothing seen yet");
+        assert_eq!(pc.split_point("t", &with(2), 0), Some(2 * BLOCK_TOKENS), "the two share two blocks");
+        assert_eq!(pc.split_point("u", &with(3), 0), None, "another partition saw nothing");
+        assert_eq!(pc.split_point("t", &with(4), 2 * BLOCK_TOKENS), None, "already resumed there");
     }
 }

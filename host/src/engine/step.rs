@@ -65,6 +65,8 @@ struct Running {
     reservation: Reservation,
     /// Prompt tokens already prefilled into `seqs[0].state`.
     prefilled: usize,
+    /// Prefix cache: a block boundary where prefill stops once so the state there is stored.
+    split: Option<usize>,
     seqs: Vec<Seq>,
 }
 
@@ -364,6 +366,10 @@ impl Worker {
             _ => None,
         };
         let cached = hit.as_ref().map_or(0, |h| h.tokens);
+        let split = match (self.prefix.as_mut(), &req.cache_salt) {
+            (Some(pc), Some(salt)) => pc.split_point(salt, &req.prompt, cached),
+            _ => None,
+        };
         if cached > 0 {
             let _ = tx.send(SeqEvent::Cached { tokens: cached });
         }
@@ -415,7 +421,7 @@ impl Worker {
                 spec: if i == 0 { spec0.take() } else { None },
             })
             .collect();
-        Ok(Running { req, tx, cancel, reservation: res, prefilled: cached, seqs })
+        Ok(Running { req, tx, cancel, reservation: res, prefilled: cached, split, seqs })
     }
 
     /// One scheduling step.
@@ -437,7 +443,10 @@ impl Worker {
                 if self.prefix.is_some() && r.req.cache_salt.is_some() {
                     // Stop on the last block boundary within reach (short of the final token),
                     // so the state there can be cached; the rest comes in a later chunk.
-                    let end = (r.prefilled + take).min(r.req.prompt.len() - 1);
+                    let mut end = (r.prefilled + take).min(r.req.prompt.len() - 1);
+                    if let Some(split) = r.split.filter(|&b| b > r.prefilled) {
+                        end = end.min(split);
+                    }
                     let boundary = end / BLOCK_TOKENS * BLOCK_TOKENS;
                     if boundary > r.prefilled {
                         take = boundary - r.prefilled;
