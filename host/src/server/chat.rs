@@ -218,6 +218,24 @@ fn pick<'a>(tenant: &'a Tenant, chosen: &'a Option<String>, default: &'a str) ->
 }
 
 /// Thinking-related fields of a chat body, for the parser and grammar plugins.
+/// SHA-256 (hex) over the request's image parts, in order, or "" without images: images render
+/// to placeholder ids, so the prefix cache's key must carry their content.
+fn image_digest(obj: &Map<String, Value>) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut any = false;
+    for m in obj.get("messages").and_then(Value::as_array).into_iter().flatten() {
+        for part in m.get("content").and_then(Value::as_array).into_iter().flatten() {
+            if let Some(img) = part.get("image_url") {
+                h.update(img.to_string().as_bytes());
+                h.update([0]);
+                any = true;
+            }
+        }
+    }
+    if any { h.finalize().iter().map(|b| format!("{b:02x}")).collect() } else { String::new() }
+}
+
 fn thinking_fields(obj: &Map<String, Value>) -> Value {
     let mut t = Map::new();
     for k in ["thinking", "reasoning_effort", "chat_template_kwargs"] {
@@ -287,13 +305,13 @@ fn prepare(
     let parser_info = RequestInfo { params_json: thinking_fields(&obj).to_string(), ..info.clone() };
     let prompt_len = prompt.len();
     // The prefix-cache partition: the tenant's own (its name) or the shared one, narrowed by the
-    // request's `cache_salt`. What is hashed are the rendered ids, after the template.
+    // request's `cache_salt` and its images' content. What is hashed are the rendered ids, after
+    // the template.
+    let request_salt = format!("{}\u{0}{}", p.cache_salt.as_deref().unwrap_or(""), image_digest(&obj));
     let cache_salt = match tenant.prefix_cache {
         PrefixPartition::Off => None,
-        PrefixPartition::Tenant => {
-            Some(format!("tenant\u{0}{}\u{0}{}", tenant.name, p.cache_salt.as_deref().unwrap_or("")))
-        }
-        PrefixPartition::Shared => Some(format!("shared\u{0}\u{0}{}", p.cache_salt.as_deref().unwrap_or(""))),
+        PrefixPartition::Tenant => Some(format!("tenant\u{0}{}\u{0}{request_salt}", tenant.name)),
+        PrefixPartition::Shared => Some(format!("shared\u{0}\u{0}{request_salt}")),
     };
     Ok(Prepared {
         request: GenRequest {

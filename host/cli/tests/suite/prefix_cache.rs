@@ -44,8 +44,9 @@ fn request(s: &Arc<Mutex<TenantSampler>>, prompt: Vec<u32>, n: usize, salt: Opti
     }
 }
 
-/// Per sequence: (token, its log-probability); and the cached prompt tokens reported.
-type Output = (Vec<Vec<(u32, f32)>>, usize);
+/// Per sequence: (token, its log-probability then the top-3 alternatives'); and the cached
+/// prompt tokens reported.
+type Output = (Vec<Vec<(u32, Vec<f32>)>>, usize);
 
 fn drain(mut h: GenHandle, n: usize) -> Result<Output, EngineError> {
     let mut out = vec![Vec::new(); n];
@@ -54,7 +55,8 @@ fn drain(mut h: GenHandle, n: usize) -> Result<Output, EngineError> {
         match h.events.blocking_recv() {
             Some(SeqEvent::Cached { tokens }) => cached = tokens,
             Some(SeqEvent::Token { index, id, logprob }) => {
-                out[index].push((id, logprob.map_or(f32::NAN, |l| l.logprob)))
+                let lp = logprob.expect("logprobs were asked for");
+                out[index].push((id, std::iter::once(lp.logprob).chain(lp.top.iter().map(|t| t.1)).collect()));
             }
             Some(SeqEvent::Finished { .. }) => finished += 1,
             Some(SeqEvent::Failed { error, .. }) => return Err(error),
@@ -64,13 +66,16 @@ fn drain(mut h: GenHandle, n: usize) -> Result<Output, EngineError> {
     Ok((out, cached))
 }
 
-/// Same tokens, log-probabilities within `tol`.
-fn assert_same(got: &[Vec<(u32, f32)>], want: &[(u32, f32)], tol: f32, what: &str) {
+/// Same tokens, log-probabilities (the chosen token's and the top alternatives') within `tol`.
+fn assert_same(got: &[Vec<(u32, Vec<f32>)>], want: &[(u32, Vec<f32>)], tol: f32, what: &str) {
     for seq in got {
         let (gt, wt): (Vec<u32>, Vec<u32>) = (seq.iter().map(|x| x.0).collect(), want.iter().map(|x| x.0).collect());
         assert_eq!(gt, wt, "{what}: tokens");
         for ((_, a), (_, b)) in seq.iter().zip(want) {
-            assert!((a - b).abs() <= tol, "{what}: log-probability {a} vs {b}");
+            assert_eq!(a.len(), b.len(), "{what}: alternatives");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= tol, "{what}: log-probability {x} vs {y}");
+            }
         }
     }
 }
