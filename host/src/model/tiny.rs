@@ -165,6 +165,17 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
             buffers.push((name.clone(), StDtype::BF16, shape.clone(), bytes));
         }
     }
+    write_checkpoint(out, &buffers, config_json)?;
+    crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))
+}
+
+/// Writes `model.safetensors` from `(name, dtype, shape, bytes)` tensors and `config.json` into
+/// `out` (created if missing).
+fn write_checkpoint(
+    out: &Path,
+    buffers: &[(String, StDtype, Vec<usize>, Vec<u8>)],
+    config_json: &Value,
+) -> Result<(), ModelError> {
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let views: Vec<(String, TensorView<'_>)> = buffers
         .iter()
@@ -177,11 +188,9 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
     let path = out.join("model.safetensors");
     safetensors::serialize_to_file(views, None, &path)
         .map_err(|e| ModelError::Header { path: path.display().to_string(), msg: e.to_string() })?;
-    crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))?;
     let cfg_path = out.join("config.json");
     let text = serde_json::to_string_pretty(config_json).unwrap_or_default();
-    std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))?;
-    Ok(())
+    std::fs::write(&cfg_path, text).map_err(|e| io(&cfg_path, e))
 }
 
 /// The config of a random DSpark draft for a target of config `t`: the release draft's keys and
@@ -247,7 +256,7 @@ pub fn make_draft(target_dir: &Path, out: &Path, seed: u64, layers: usize) -> Re
         rec.tensors.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
     tensors.sort();
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut buffers: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape) in tensors {
         let n: usize = shape.iter().product();
         let mut normal = |scale: f32, shift: f32| -> Vec<f32> {
@@ -266,24 +275,9 @@ pub fn make_draft(target_dir: &Path, out: &Path, seed: u64, layers: usize) -> Re
             normal(1.0 / (shape.get(1).copied().unwrap_or(1).max(1) as f32).sqrt(), 0.0)
         };
         let bytes = values.iter().flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes()).collect();
-        buffers.push((name, shape, bytes));
+        buffers.push((name, StDtype::BF16, shape, bytes));
     }
-    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
-    let views: Vec<(String, TensorView<'_>)> = buffers
-        .iter()
-        .map(|(n, s, b)| {
-            TensorView::new(StDtype::BF16, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::Header { path: out.display().to_string(), msg: format!("{n}: {e}") })
-        })
-        .collect::<Result<_, _>>()?;
-    let path = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &path)
-        .map_err(|e| ModelError::Header { path: path.display().to_string(), msg: e.to_string() })?;
-    let cfg_path = out.join("config.json");
-    std::fs::write(&cfg_path, serde_json::to_string_pretty(&config_json).unwrap_or_default())
-        .map_err(|e| io(&cfg_path, e))?;
-    Ok(())
+    write_checkpoint(out, &buffers, &config_json)
 }
 
 /// The goldens' init recipe (K3_GOLDENS / spec §7 step 5).

@@ -476,16 +476,7 @@ fn serve_with_a_draft_speculates_and_counts_it() {
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["usage"]["completion_tokens"].as_u64().map(|n| n > 0), Some(true), "{v}");
     }
-    let metrics = raw(
-        addr,
-        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
-        Duration::from_secs(10),
-    );
-    let rounds = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("kimi_engine_spec_verify_rounds_total "))
-        .and_then(|n| n.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no verify-round counter: {metrics}"));
+    let (rounds, metrics) = metric(addr, "kimi_engine_spec_verify_rounds_total");
     assert!(rounds > 0.0, "{metrics}");
     assert!(metrics.contains("engine_spec_mean_accepted_tokens"), "{metrics}");
 
@@ -543,15 +534,21 @@ fn prefix_cache_hits_stay_inside_their_tenant() {
     let (status, v) =
         request(addr, "POST", "/v1/chat/completions", None, Some(&body(json!({"cache_salt": "x".repeat(300)}))));
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("cache_salt")), "{v}");
-    let metrics = raw(
+    let (hits, metrics) = metric(addr, "kimi_prefix_cache_hits_total");
+    assert_eq!(hits, 2.0, "{metrics}");
+}
+
+/// One sample's value from `/metrics` (read with the operator key), and the whole page.
+fn metric(addr: SocketAddr, name: &str) -> (f64, String) {
+    let page = raw(
         addr,
         b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer operator-key\r\nConnection: close\r\n\r\n",
         Duration::from_secs(10),
     );
-    let hits = metrics
+    let value = page
         .lines()
-        .find_map(|l| l.strip_prefix("kimi_prefix_cache_hits_total "))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|n| n.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no hit counter: {metrics}"));
-    assert_eq!(hits, 2.0, "{metrics}");
+        .unwrap_or_else(|| panic!("no {name}: {page}"));
+    (value, page)
 }
