@@ -107,6 +107,13 @@ pub struct Selection {
     pub margin: f32,
 }
 
+/// Which GELU: the tanh approximation (`gelu_pytorch_tanh`) or the exact erf form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gelu {
+    Tanh,
+    Erf,
+}
+
 /// The router's decision for a step's tokens (spec §2.7).
 #[derive(Clone, Debug, Default)]
 pub struct Routing {
@@ -181,6 +188,30 @@ pub trait Backend: Send + Sync {
         offset: usize,
         inv_freq: &[f32],
         magnitude: f32,
+    );
+
+    /// Rotary embedding from per-row tables: `x` is `[rows, heads, head_stride]`; in each head,
+    /// lanes `2i` and `2i + 1` turn by the angle whose cosine and sine are `cos[t, i]` and
+    /// `sin[t, i]` (`[rows, pairs]`; the vision tower's 2-D RoPE, whose angles mix column and row).
+    fn rope_cos_sin(&self, x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize);
+
+    /// `x ← GELU(x)` in place, in the given form.
+    fn gelu(&self, x: &mut [f32], kind: Gelu);
+
+    /// Dense non-causal attention inside each span (block-diagonal over a packed batch of items,
+    /// the vision tower's): `q`, `k`, `v` and `out` are `[rows, heads, dim]`; row `t` of span
+    /// `s` attends over every row of `s` with `softmax(scale · q·k)`. Rows in no span get zeros.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_varlen(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        dim: usize,
+        spans: &[SeqSpan],
+        scale: f32,
+        out: &mut [f32],
     );
 
     /// `acc += x`.

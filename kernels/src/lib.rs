@@ -12,7 +12,7 @@ pub mod cpu;
 pub mod gpu;
 
 pub use backend::{
-    Backend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
+    Backend, ExpertMatrices, Gelu, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
     SituParams,
 };
 pub use comm::{CommStats, Communicator, ThreadComm};

@@ -751,3 +751,98 @@ fn fp8_matmul_is_the_per_token_scaled_e4m3_product_within_its_rounding_bound() {
         }
     }
 }
+
+#[test]
+fn vision_ops_gelu_rope_table_and_varlen_attention_match_reference() {
+    let mut rng = StdRng::seed_from_u64(31);
+    for (name, be) in backends() {
+        // GELU, both forms, over a range that reaches the tails.
+        let x: Vec<f32> = (0..203).map(|i| (i as f32 - 101.0) * 0.07).collect();
+        let erf = |v: f64| {
+            // erf by its Taylor series (converges fast for |v| ≤ 5.1/√2 here).
+            let mut sum = 0f64;
+            let mut term = v;
+            for n in 0..200 {
+                sum += term / (2 * n + 1) as f64;
+                term *= -v * v / (n + 1) as f64;
+            }
+            2.0 / std::f64::consts::PI.sqrt() * sum
+        };
+        let want_erf: Vec<f64> =
+            x.iter().map(|&v| 0.5 * v as f64 * (1.0 + erf(v as f64 / std::f64::consts::SQRT_2))).collect();
+        let want_tanh: Vec<f64> = x
+            .iter()
+            .map(|&v| {
+                let v = v as f64;
+                0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
+            })
+            .collect();
+        let mut g = x.clone();
+        be.gelu(&mut g, kimi_kernels::Gelu::Erf);
+        assert_close(&g, &want_erf, 1e-5, &format!("{name} gelu erf"));
+        let mut g = x.clone();
+        be.gelu(&mut g, kimi_kernels::Gelu::Tanh);
+        assert_close(&g, &want_tanh, 1e-5, &format!("{name} gelu tanh"));
+
+        // RoPE from tables: 5 rows, 3 heads of 8 lanes, 3 pairs turned (lanes 6, 7 stay).
+        let (rows, heads, stride, pairs) = (5, 3, 8, 3);
+        let x = randn(&mut rng, rows * heads * stride);
+        let angles: Vec<f64> = (0..rows * pairs).map(|i| i as f64 * 0.37 - 2.0).collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let mut got = x.clone();
+        be.rope_cos_sin(&mut got, &cos, &sin, heads, stride);
+        let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for t in 0..rows {
+            for h in 0..heads {
+                for i in 0..pairs {
+                    let at = t * heads * stride + h * stride + 2 * i;
+                    let (a, b) = (x[at] as f64, x[at + 1] as f64);
+                    let (c, s) = (cos[t * pairs + i] as f64, sin[t * pairs + i] as f64);
+                    want[at] = a * c - b * s;
+                    want[at + 1] = b * c + a * s;
+                }
+            }
+        }
+        assert_close(&got, &want, 1e-6, &format!("{name} rope_cos_sin"));
+
+        // Block-diagonal attention: spans of 3, 0 and 4 rows, one row in no span.
+        let (heads, dim) = (2, 5);
+        let spans = [
+            SeqSpan { start: 0, len: 3, pos: 0 },
+            SeqSpan { start: 3, len: 0, pos: 0 },
+            SeqSpan { start: 3, len: 4, pos: 0 },
+        ];
+        let rows = 8;
+        let (q, k, v) = (
+            randn(&mut rng, rows * heads * dim),
+            randn(&mut rng, rows * heads * dim),
+            randn(&mut rng, rows * heads * dim),
+        );
+        let scale = 0.6f32;
+        let mut out = vec![f32::NAN; rows * heads * dim];
+        be.attention_varlen(&q, &k, &v, heads, dim, &spans, scale, &mut out);
+        let mut want = vec![0f64; rows * heads * dim];
+        for s in &spans {
+            for t in s.rows() {
+                for h in 0..heads {
+                    let at = |r: usize| (r * heads + h) * dim;
+                    let sc: Vec<f64> = s
+                        .rows()
+                        .map(|j| {
+                            (0..dim).map(|e| q[at(t) + e] as f64 * k[at(j) + e] as f64).sum::<f64>() * scale as f64
+                        })
+                        .collect();
+                    let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                    for (j, x) in s.rows().zip(&sc) {
+                        for e in 0..dim {
+                            want[at(t) + e] += (x - m).exp() / z * v[at(j) + e] as f64;
+                        }
+                    }
+                }
+            }
+        }
+        assert_close(&out, &want, 1e-5, &format!("{name} attention_varlen"));
+    }
+}

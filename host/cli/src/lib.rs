@@ -10,3 +10,4 @@ pub mod bench_tokenizer;
 pub mod inspect;
 pub mod plan;
 pub mod speculate;
+pub mod vision;

@@ -112,6 +112,23 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Run a vision golden case's procedure (its case.json: preprocessing of its images and clip,
+    /// one packed tower call, merge and projector, `<|media_pad|>` expansion and the text model
+    /// over the merged embeddings) and write every tensor it computes, named as the golden does.
+    Vision {
+        /// Checkpoint with the vision tower (config.json with `vision_config`, its safetensors,
+        /// preprocessor_config.json).
+        #[arg(long)]
+        model: PathBuf,
+        /// Text model for the end-to-end part (default: `--model` itself).
+        #[arg(long)]
+        text_model: Option<PathBuf>,
+        /// Case directory (case.json; golden.safetensors for the images and prompt ids).
+        #[arg(long)]
+        case: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Write prefill (and cached decode) logits to a safetensors file.
     Logits {
         #[arg(long)]
@@ -575,6 +592,17 @@ fn main() -> Result<()> {
             let d = kimi_host::model::dspark::DsparkDraft::load(&draft, &m)
                 .with_context(|| format!("loading the draft {}", draft.display()))?;
             let tr = kimi_host_cli::speculate::run_case(&m, &d, &case)?;
+            kimi_host_cli::speculate::write_trace(&tr, &out)?;
+            eprintln!("wrote {} tensors to {}", tr.tensors.len(), out.display());
+        }
+        Command::Vision { model, text_model, case, out } => {
+            let text_dir = text_model.unwrap_or_else(|| model.clone());
+            let m = Model::load(&text_dir).with_context(|| format!("loading {}", text_dir.display()))?;
+            let cfg = kimi_host::model::config::load_config(&model)?;
+            let vc = cfg.vision_config.with_context(|| format!("{} has no vision_config", model.display()))?;
+            let vm = kimi_host::model::vision::VisionModel::load(&model, &vc, m.backend())
+                .with_context(|| format!("loading the vision tower of {}", model.display()))?;
+            let tr = kimi_host_cli::vision::run_case(&vm, Some(&m), &case)?;
             kimi_host_cli::speculate::write_trace(&tr, &out)?;
             eprintln!("wrote {} tensors to {}", tr.tensors.len(), out.display());
         }

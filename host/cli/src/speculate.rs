@@ -323,6 +323,7 @@ pub fn write_trace(tr: &Trace, out: &Path) -> Result<()> {
                 shape.clone(),
                 data.iter().flat_map(|x| x.to_le_bytes()).collect(),
             )),
+            TraceTensor::U8 { shape, data } => bufs.push((name.clone(), Dtype::U8, shape.clone(), data.clone())),
         }
     }
     let views = bufs

@@ -13,11 +13,23 @@ pub struct SeqInput<'a> {
     pub logits: LogitsFor,
     /// Hidden states to hand a speculative draft (DSpark), or `None`.
     pub aux: Option<AuxTap<'a>>,
+    /// Rows whose input embedding is given instead of looked up (image tokens), or `None`.
+    pub embeds: Option<EmbedRows<'a>>,
+}
+
+/// Input embeddings that replace the looked-up ones at some of a sequence's step rows: the
+/// vision projector's rows at the `<|media_pad|>` positions (spec `k3-dspark-vision.md` B.6).
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedRows<'a> {
+    /// Indices into the sequence's `ids` of this step, one per row of `rows`.
+    pub at: &'a [usize],
+    /// `[at.len(), hidden]`.
+    pub rows: &'a [f32],
 }
 
 impl<'a> SeqInput<'a> {
     pub fn new(ids: &'a [u32], state: &'a mut SequenceState, logits: LogitsFor) -> SeqInput<'a> {
-        SeqInput { ids, state, logits, aux: None }
+        SeqInput { ids, state, logits, aux: None, embeds: None }
     }
 }
 

@@ -537,6 +537,23 @@ impl Model {
         if trace.is_some() && seqs.len() != 1 {
             return Err(ModelError::TraceNeedsOneSequence { sequences: seqs.len() });
         }
+        let d = self.config.text.hidden_size;
+        for s in seqs.iter() {
+            if let Some(e) = &s.embeds
+                && (e.rows.len() != e.at.len() * d || e.at.iter().any(|&i| i >= s.ids.len()))
+            {
+                return Err(ModelError::config(
+                    "inputs_embeds",
+                    format!(
+                        "{} given rows of {} values for {} rows of a {}-token step (hidden size {d})",
+                        e.at.len(),
+                        e.rows.len(),
+                        e.at.len(),
+                        s.ids.len()
+                    ),
+                ));
+            }
+        }
         let layout = BatchLayout::new(seqs.iter().map(|s| (s.ids.len(), s.state.len)));
         if layout.is_empty() {
             return Ok(vec![Vec::new(); seqs.len()]);
@@ -559,7 +576,12 @@ impl Model {
         let all_tokens_trace = matches!(&*seqs, [SeqInput { logits: LogitsFor::AllTokens, .. }]);
         let n = self.ranks.len();
         let mut per_rank: Vec<Vec<RankStateMut<'_>>> = (0..n).map(|_| Vec::with_capacity(seqs.len())).collect();
-        let d = self.config.text.hidden_size;
+        let overrides: Vec<(usize, &[f32])> = seqs
+            .iter()
+            .zip(&layout.spans)
+            .filter_map(|(s, span)| s.embeds.map(|e| (e, span.start)))
+            .flat_map(|(e, start)| e.at.iter().zip(e.rows.chunks_exact(d)).map(move |(&i, r)| (start + i, r)))
+            .collect();
         let mut taps: Vec<Option<&mut AuxTap<'_>>> = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
             for (r, st) in s.state.ranks_mut().into_iter().enumerate() {
@@ -571,7 +593,14 @@ impl Model {
             }
             taps.push(s.aux.as_mut());
         }
-        let step = Step { layout: &layout, ids: &ids, wanted: &wanted, all_tokens_trace, traced: trace.is_some() };
+        let step = Step {
+            layout: &layout,
+            ids: &ids,
+            overrides: &overrides,
+            wanted: &wanted,
+            all_tokens_trace,
+            traced: trace.is_some(),
+        };
         let mut per_rank = per_rank.into_iter();
         let first = per_rank.next().unwrap_or_default();
         let logits = if n == 1 {
@@ -660,6 +689,10 @@ impl Model {
             be.embedding(&rank.embed.m(), step.ids, &mut h0);
             h0
         };
+        let mut h0 = h0;
+        for &(row, e) in step.overrides {
+            h0[row * d..(row + 1) * d].copy_from_slice(e);
+        }
         laps.lap(OpKind::Embedding);
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32("embedding", &shape, &h0);
@@ -810,6 +843,8 @@ impl Model {
 struct Step<'a> {
     layout: &'a BatchLayout,
     ids: &'a [u32],
+    /// `(row, embedding)`: rows whose input embedding is given (image tokens).
+    overrides: &'a [(usize, &'a [f32])],
     wanted: &'a [Range<usize>],
     /// One sequence wanting every row's logits (a trace records them).
     all_tokens_trace: bool,

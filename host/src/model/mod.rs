@@ -21,6 +21,7 @@ pub mod slots;
 pub mod state;
 pub mod tiny;
 pub mod trace;
+pub mod vision;
 pub mod weights;
 
 pub use batch::{BatchLayout, SeqInput, Span};

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 pub enum TraceTensor {
     F32 { shape: Vec<usize>, data: Vec<f32> },
     I64 { shape: Vec<usize>, data: Vec<i64> },
+    U8 { shape: Vec<usize>, data: Vec<u8> },
 }
 
 /// Named tensors, named as in the goldens (`layer3.mixer_output`, `layer1.router.topk_ids`, …).
@@ -21,6 +22,17 @@ impl Trace {
 
     pub fn i64(&mut self, name: impl Into<String>, shape: &[usize], data: Vec<i64>) {
         self.tensors.insert(name.into(), TraceTensor::I64 { shape: shape.to_vec(), data });
+    }
+
+    pub fn u8(&mut self, name: impl Into<String>, shape: &[usize], data: Vec<u8>) {
+        self.tensors.insert(name.into(), TraceTensor::U8 { shape: shape.to_vec(), data });
+    }
+
+    pub fn get_u8(&self, name: &str) -> Option<&[u8]> {
+        match self.tensors.get(name) {
+            Some(TraceTensor::U8 { data, .. }) => Some(data),
+            _ => None,
+        }
     }
 
     pub fn get_f32(&self, name: &str) -> Option<&[f32]> {

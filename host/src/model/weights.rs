@@ -172,6 +172,10 @@ pub trait TensorSource {
     /// to f32.
     fn vector_part(&mut self, name: &str, shape: &[usize], first: Range<usize>) -> Result<Vec<f32>, ModelError>;
 
+    /// A whole BF16 or F32 tensor of rank ≥ 2 stored `shape`, seen as the matrix
+    /// `[shape[0], product of the rest]` (a convolution kernel applied to flattened patches).
+    fn matrix_shaped(&mut self, name: &str, shape: &[usize]) -> Result<Weight, ModelError>;
+
     /// A whole BF16 or F32 matrix.
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
         self.matrix_part(name, rows, cols, Part::Whole)
@@ -285,6 +289,16 @@ impl TensorSource for CheckpointSource<'_> {
         Ok(Weight { rows: r, cols: c, store, prepared: None })
     }
 
+    fn matrix_shaped(&mut self, name: &str, shape: &[usize]) -> Result<Weight, ModelError> {
+        let info = self.ck.expect(name, shape, &[Dtype::Bf16, Dtype::F32])?;
+        let rows = shape.first().copied().unwrap_or(1);
+        let cols = shape.iter().skip(1).product();
+        let bytes = self.ck.bytes(info);
+        self.record(name, info.nbytes(), bytes.bytes().len(), false, Some(rows));
+        let store = if info.dtype == Dtype::Bf16 { WeightStore::Bf16(bytes) } else { WeightStore::F32(bytes) };
+        Ok(Weight { rows, cols, store, prepared: None })
+    }
+
     fn expert_matrix_part(&mut self, base: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {
         let packed_name = format!("{base}.weight_packed");
         if !self.ck.contains(&packed_name) {
@@ -388,6 +402,13 @@ impl TensorSource for NameRecorder<'_> {
         self.keep_part(1, rows, cols, &part);
         let (rows, cols) = part.dims(rows, cols);
         Ok(Weight { rows, cols, store: WeightStore::Absent, prepared: None })
+    }
+
+    fn matrix_shaped(&mut self, name: &str, shape: &[usize]) -> Result<Weight, ModelError> {
+        let n: usize = shape.iter().product();
+        self.push(name.to_string(), shape.to_vec(), n as u64, 2 * n as u64, Dtype::Bf16);
+        let rows = shape.first().copied().unwrap_or(1);
+        Ok(Weight { rows, cols: n / rows.max(1), store: WeightStore::Absent, prepared: None })
     }
 
     fn expert_matrix_part(&mut self, base: &str, rows: usize, cols: usize, part: Part) -> Result<Weight, ModelError> {

@@ -191,6 +191,28 @@ impl Backend for KplHostBackend {
         self.cpu.rope_interleaved(x, positions, heads, head_stride, offset, inv_freq, magnitude)
     }
 
+    fn rope_cos_sin(&self, x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize) {
+        self.cpu.rope_cos_sin(x, cos, sin, heads, head_stride)
+    }
+
+    fn gelu(&self, x: &mut [f32], kind: kimi_kernels::Gelu) {
+        self.cpu.gelu(x, kind)
+    }
+
+    fn attention_varlen(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        dim: usize,
+        spans: &[kimi_kernels::SeqSpan],
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        self.cpu.attention_varlen(q, k, v, heads, dim, spans, scale, out)
+    }
+
     fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
         self.cpu.sigmoid_mul(x, gate)
     }

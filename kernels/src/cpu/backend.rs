@@ -1,7 +1,7 @@
 //! The CPU backend: [`Backend`] on this crate's CPU kernels (one op per file beside this one).
 
 use crate::backend::{
-    Backend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
+    Backend, ExpertMatrices, Gelu, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
     SituParams,
 };
 use crate::{Matrix, PackedMatrix};
@@ -58,6 +58,28 @@ impl Backend for CpuBackend {
         magnitude: f32,
     ) {
         super::rope::rope_interleaved(x, positions, heads, head_stride, offset, inv_freq, magnitude)
+    }
+
+    fn rope_cos_sin(&self, x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize) {
+        super::rope::rope_cos_sin(x, cos, sin, heads, head_stride)
+    }
+
+    fn gelu(&self, x: &mut [f32], kind: Gelu) {
+        super::gelu::gelu(x, kind)
+    }
+
+    fn attention_varlen(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        dim: usize,
+        spans: &[SeqSpan],
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        super::attention_varlen::attention_varlen(q, k, v, heads, dim, spans, scale, out)
     }
 
     fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {

@@ -2,9 +2,11 @@
 //! weight formats in `bf16` and `mxfp4`), `embedding`, norms (`norm`), `elementwise`, `situ`,
 //! `attn_res`, the KDA convolution, core and recurrence (`kda_conv`, `kda`, `kda_recurrence`),
 //! MLA's latent maps and attention (`mla_latent`, `mla_attention`), the K3.1 `indexer`, the MoE
-//! router and grouped experts (`moe`) — on SIMD inner loops (`simd`) and reductions (`reduce`).
+//! router and grouped experts (`moe`), and the vision tower's `gelu`, `attention_varlen` and
+//! table-driven `rope` — on SIMD inner loops (`simd`) and reductions (`reduce`).
 
 pub mod attention_merge;
+pub mod attention_varlen;
 pub mod attn_res;
 pub mod backend;
 pub mod bf16;
@@ -12,6 +14,7 @@ pub mod disjoint;
 pub mod elementwise;
 pub mod embedding;
 pub mod fp8;
+pub mod gelu;
 pub mod gemm;
 pub mod indexer;
 pub mod kda;

@@ -1,5 +1,6 @@
 //! Rotary position embedding on interleaved lane pairs (GPT-J order, DeepSeek's
-//! `is_neox_style=False`), as the DSpark draft's MLA applies it to `q_pe` and `k_pe`.
+//! `is_neox_style=False`), as the DSpark draft's MLA applies it to `q_pe` and `k_pe`, and from
+//! per-row cos/sin tables, as the vision tower's 2-D RoPE applies it to whole heads.
 
 /// See [`crate::Backend::rope_interleaved`].
 pub fn rope_interleaved(
@@ -24,6 +25,28 @@ pub fn rope_interleaved(
         for h in 0..heads {
             let lanes = &mut x[t * row + h * head_stride + offset..][..2 * inv_freq.len()];
             for (pair, &(c, s)) in lanes.chunks_exact_mut(2).zip(&cos_sin) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * c - b * s;
+                pair[1] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// See [`crate::Backend::rope_cos_sin`].
+pub fn rope_cos_sin(x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize) {
+    let row = heads * head_stride;
+    let rows = x.len() / row.max(1);
+    assert_eq!(x.len(), rows * row, "rope_cos_sin: x is not [rows, heads, head_stride]");
+    let pairs = cos.len() / rows.max(1);
+    assert!(
+        cos.len() == rows * pairs && sin.len() == cos.len() && 2 * pairs <= head_stride,
+        "rope_cos_sin: cos and sin must be [rows, pairs] with 2 · pairs ≤ head_stride"
+    );
+    for (t, xr) in x.chunks_exact_mut(row).enumerate() {
+        let (c, s) = (&cos[t * pairs..][..pairs], &sin[t * pairs..][..pairs]);
+        for head in xr.chunks_exact_mut(head_stride) {
+            for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(c).zip(s) {
                 let (a, b) = (pair[0], pair[1]);
                 pair[0] = a * c - b * s;
                 pair[1] = b * c + a * s;

@@ -30,3 +30,4 @@ mod sampling_core;
 mod serve;
 mod template_plugin;
 mod tokenizer_stream;
+mod vision;

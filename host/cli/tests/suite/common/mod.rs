@@ -60,6 +60,12 @@ impl Golden {
         self.ck.read_i64(info)
     }
 
+    pub fn u8(&self, name: &str) -> Vec<u8> {
+        let info = self.ck.info(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
+        assert_eq!(info.dtype, Dtype::U8, "{name}");
+        self.ck.bytes(info).bytes().to_vec()
+    }
+
     pub fn ids(&self, name: &str) -> Vec<u32> {
         self.i64(name).into_iter().map(|x| x as u32).collect()
     }
