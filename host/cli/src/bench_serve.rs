@@ -154,6 +154,7 @@ async fn engine_one(state: &Arc<AppState>, i: usize, max_tokens: usize) -> anyho
         },
         logprobs: None,
         cache_salt: None,
+        media: None,
     };
     let mut h = state.engine.submit(req)?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);

@@ -172,6 +172,9 @@ enum Command {
         /// Store routed experts as MXFP4.
         #[arg(long)]
         mxfp4: bool,
+        /// Add a tiny MoonViT3d tower and projector so the model sees images.
+        #[arg(long)]
+        vision: bool,
     },
     /// Write a random DSpark draft (Inferact layout) for the checkpoint in --target: every
     /// speculative code path runs on it, though it proposes little the target accepts.
@@ -627,8 +630,9 @@ fn main() -> Result<()> {
                 logits = m.forward(&[next], &mut state, LogitsFor::LastToken, None)?;
             }
         }
-        Command::MakeTiny { out, seed, k31, mxfp4 } => {
-            make_tiny(&out, &TinyOptions { seed, k31, mxfp4 }).with_context(|| format!("writing {}", out.display()))?;
+        Command::MakeTiny { out, seed, k31, mxfp4, vision } => {
+            make_tiny(&out, &TinyOptions { seed, k31, mxfp4, vision })
+                .with_context(|| format!("writing {}", out.display()))?;
             eprintln!("wrote a tiny Kimi-K3{} checkpoint to {}", if k31 { ".1" } else { "" }, out.display());
         }
         Command::MakeDraft { target, out, seed, layers } => {

@@ -23,6 +23,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::grammar::ConstraintMatcher;
 use crate::model::Model;
 use crate::model::dspark::DsparkDraft;
+use crate::model::vision::{VisionInput, VisionModel};
 use pool::{StatePool, StateShape};
 pub use sampler::{Sampler, SamplerError, SamplerErrorKind, SamplerRequest, SamplerSeq, SharedSampler};
 
@@ -43,6 +44,9 @@ pub struct EngineConfig {
     pub speculation: Option<Speculation>,
     /// Prefix caching for requests that carry a cache salt (`GenRequest::cache_salt`).
     pub prefix_cache: bool,
+    /// The vision tower and projector, for requests with images (`GenRequest::media`); `None`
+    /// refuses them.
+    pub vision: Option<Arc<VisionModel>>,
     /// Test hook: runs before every model call and every sampling pass and may panic, to
     /// simulate a fault inside a kernel. Only code can set it (not the config file).
     pub fault_probe: Option<FaultProbe>,
@@ -95,6 +99,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             speculation: None,
             prefix_cache: false,
+            vision: None,
             fault_probe: None,
         }
     }
@@ -125,6 +130,24 @@ pub struct GenRequest {
     /// The prefix-cache partition this request reads and fills (its tenant's, or a shared one,
     /// plus its own `cache_salt`); `None` keeps it out of the cache.
     pub cache_salt: Option<String>,
+    /// The prompt's images: the engine runs them through the vision tower (batched with other
+    /// requests' images of the same step) before the prefill reaches their rows.
+    pub media: Option<Arc<MediaPrompt>>,
+}
+
+/// A prompt's images: the tower's inputs, in prompt order, and the prompt positions (the
+/// expanded `<|media_pad|>` rows, ascending) their projector rows fill.
+#[derive(Clone, Debug, Default)]
+pub struct MediaPrompt {
+    pub items: Vec<VisionInput>,
+    pub positions: Vec<usize>,
+}
+
+impl MediaPrompt {
+    /// Checks that the items' token counts cover the positions, one row each.
+    pub fn rows(&self) -> usize {
+        self.items.iter().map(VisionInput::tokens).sum()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -240,6 +263,12 @@ pub struct EngineStats {
     pub prefix_evictions: AtomicU64,
     pub prefix_entries: AtomicUsize,
     pub prefix_bytes: AtomicUsize,
+    /// Vision tower: calls (one per step that had images), images encoded, patches, and the
+    /// tower + projector time in microseconds.
+    pub vision_calls: AtomicU64,
+    pub vision_items: AtomicU64,
+    pub vision_patches: AtomicU64,
+    pub vision_micros: AtomicU64,
     pub cancelled: AtomicU64,
     pub pool_timeouts: AtomicU64,
     /// Panics caught inside engine steps.

@@ -161,8 +161,13 @@ mod tests {
     fn the_pool_counts_what_the_arenas_hold() {
         use crate::model::state::{kda_slot_floats, latent_page_floats};
         let c = crate::model::config::parse_config(
-            &crate::model::tiny::tiny_config(&crate::model::tiny::TinyOptions { seed: 0, k31: true, mxfp4: true })
-                .to_string(),
+            &crate::model::tiny::tiny_config(&crate::model::tiny::TinyOptions {
+                seed: 0,
+                k31: true,
+                mxfp4: true,
+                vision: false,
+            })
+            .to_string(),
         )
         .expect("tiny config")
         .text;

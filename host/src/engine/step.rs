@@ -18,8 +18,9 @@ use super::{
     TokenLogprob,
 };
 use crate::grammar::ConstraintMatcher;
-use crate::model::batch::AuxTap;
+use crate::model::batch::{AuxTap, EmbedRows};
 use crate::model::dspark::DraftCache;
+use crate::model::vision::{MAX_PATCHES_PER_CALL, VisionInput};
 use crate::model::{LogitsFor, Model, SeqInput, SequenceState, StateArenas};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
 
@@ -68,6 +69,10 @@ struct Running {
     /// Prefix cache: a block boundary where prefill stops once so the state there is stored.
     split: Option<usize>,
     seqs: Vec<Seq>,
+    /// The projector rows of the prompt's images (`[positions, hidden]`), once the tower ran.
+    media_rows: Option<Vec<f32>>,
+    /// This step's prefill chunk: indices of its image rows (scratch for `SeqInput::embeds`).
+    media_at: Vec<usize>,
 }
 
 impl Running {
@@ -421,7 +426,17 @@ impl Worker {
                 spec: if i == 0 { spec0.take() } else { None },
             })
             .collect();
-        Ok(Running { req, tx, cancel, reservation: res, prefilled: cached, split, seqs })
+        Ok(Running {
+            req,
+            tx,
+            cancel,
+            reservation: res,
+            prefilled: cached,
+            split,
+            seqs,
+            media_rows: None,
+            media_at: Vec::new(),
+        })
     }
 
     /// One scheduling step.
@@ -472,10 +487,14 @@ impl Worker {
         if let Some(sp) = &speculation {
             self.propose(sp, max_context, &mut failures);
         }
+        let mut prefill = prefill;
+        if prefill.iter().any(|&(i, take)| self.needs_tower(&self.running[i], take)) {
+            self.encode_media(&mut prefill, &mut failures);
+        }
         let probe = &self.config.fault_probe;
         let mut chunks = prefill.iter().copied().peekable();
         for (ri, r) in self.running.iter_mut().enumerate() {
-            let Running { req, seqs, prefilled, .. } = r;
+            let Running { req, seqs, prefilled, media_rows, media_at, .. } = r;
             let take = match chunks.peek() {
                 Some(&(i, take)) if i == ri => {
                     chunks.next();
@@ -489,6 +508,16 @@ impl Worker {
                 let ids = &req.prompt[*prefilled..*prefilled + take];
                 let Seq { state, spec, .. } = &mut seqs[0];
                 let mut input = SeqInput::new(ids, state, LogitsFor::LastToken);
+                if let (Some(media), Some(rows)) = (&req.media, media_rows.as_ref()) {
+                    // The chunk's image rows: positions are ascending, so theirs are a run.
+                    let span = *prefilled..*prefilled + take;
+                    let lo = media.positions.partition_point(|&p| p < span.start);
+                    let hi = media.positions.partition_point(|&p| p < span.end);
+                    media_at.clear();
+                    media_at.extend(media.positions[lo..hi].iter().map(|p| p - span.start));
+                    let d = model.text_config().hidden_size;
+                    input.embeds = Some(EmbedRows { at: media_at, rows: &rows[lo * d..hi * d] });
+                }
                 if let (Some(sp), Some(spec)) = (&speculation, spec.as_mut()) {
                     // The prompt's rows become the draft's first context rows.
                     input.aux = Some(AuxTap { layers: sp.draft.taps(), rows: &mut spec.pending });
@@ -643,6 +672,92 @@ impl Worker {
     /// committed rows' aux states, then proposes up to `tokens` drafts after its next token —
     /// fewer near `max_tokens` or the context end, where they could never be emitted. Sets each
     /// sequence's step input `[next, drafts…]`; a failed pass fails those sequences.
+    /// Whether a prefill chunk of `take` tokens of `r` reaches image rows the tower has not made.
+    fn needs_tower(&self, r: &Running, take: usize) -> bool {
+        r.media_rows.is_none()
+            && r.req
+                .media
+                .as_ref()
+                .is_some_and(|m| m.positions.iter().any(|&p| p < r.prefilled + take && p >= r.prefilled))
+    }
+
+    /// Runs the vision tower once over the images of every request whose chunk this step needs
+    /// them (batched across requests, at most [`MAX_PATCHES_PER_CALL`] patches: the rest wait a
+    /// step, their chunks dropped from `prefill`). A failure fails those requests only.
+    fn encode_media(
+        &mut self,
+        prefill: &mut Vec<(usize, usize)>,
+        failures: &mut Vec<(usize, Option<usize>, EngineError)>,
+    ) {
+        let Some(vision) = self.config.vision.clone() else {
+            for &(i, take) in prefill.iter() {
+                if self.needs_tower(&self.running[i], take) {
+                    failures.push((i, None, EngineError::Fault("this engine has no vision tower".into())));
+                }
+            }
+            prefill.retain(|&(i, take)| !self.needs_tower(&self.running[i], take));
+            return;
+        };
+        let mut chosen: Vec<usize> = Vec::new();
+        let mut deferred: Vec<usize> = Vec::new();
+        let mut patches = 0usize;
+        for &(i, take) in prefill.iter() {
+            if !self.needs_tower(&self.running[i], take) {
+                continue;
+            }
+            let media =
+                self.running[i].req.media.as_ref().map_or(0, |m| m.items.iter().map(VisionInput::patches).sum());
+            if chosen.is_empty() || patches + media <= MAX_PATCHES_PER_CALL {
+                patches += media;
+                chosen.push(i);
+            } else {
+                deferred.push(i);
+            }
+        }
+        prefill.retain(|(i, _)| !deferred.contains(i));
+        let items: Vec<VisionInput> = chosen
+            .iter()
+            .filter_map(|&i| self.running[i].req.media.as_ref())
+            .flat_map(|m| m.items.iter().cloned())
+            .collect();
+        let started = Instant::now();
+        let be = self.model.backend();
+        let out = contain(|| vision.encode(be, &items, None));
+        self.stats.vision_calls.fetch_add(1, Ordering::Relaxed);
+        self.stats.vision_items.fetch_add(items.len() as u64, Ordering::Relaxed);
+        self.stats.vision_patches.fetch_add(patches as u64, Ordering::Relaxed);
+        self.stats.vision_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let d = self.model.text_config().hidden_size;
+        match out {
+            Ok(rows) if rows.len() == items.iter().map(VisionInput::tokens).sum::<usize>() * d => {
+                let mut at = 0;
+                for &i in &chosen {
+                    let r = &mut self.running[i];
+                    let n = r.req.media.as_ref().map_or(0, |m| m.rows());
+                    r.media_rows = Some(rows[at * d..(at + n) * d].to_vec());
+                    at += n;
+                }
+            }
+            Ok(rows) => {
+                let e = EngineError::Fault(format!(
+                    "the vision tower returned {} values for {} image rows of width {d} (text_hidden_size differs from the text model's hidden size?)",
+                    rows.len(),
+                    items.iter().map(VisionInput::tokens).sum::<usize>()
+                ));
+                for &i in &chosen {
+                    failures.push((i, None, e.clone()));
+                }
+                prefill.retain(|(i, _)| !chosen.contains(i));
+            }
+            Err(e) => {
+                for &i in &chosen {
+                    failures.push((i, None, e.clone()));
+                }
+                prefill.retain(|(i, _)| !chosen.contains(i));
+            }
+        }
+    }
+
     fn propose(
         &mut self,
         sp: &super::Speculation,

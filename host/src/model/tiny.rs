@@ -29,6 +29,64 @@ pub struct TinyOptions {
     pub k31: bool,
     /// Store routed experts as MXFP4 (`weight_packed` / `weight_scale`).
     pub mxfp4: bool,
+    /// Add a tiny MoonViT3d tower and patchmergerv2 projector (`vision_config`, `vision_tower.*`,
+    /// `mm_projector.*`, `preprocessor_config.json`), so the model sees images.
+    pub vision: bool,
+}
+
+/// The tiny tower's `vision_config`: every release key, small shapes (4 heads of 24, so the
+/// 2-D RoPE's quarter-head split holds), projecting to `text_hidden` values.
+pub fn tiny_vision_config(text_hidden: usize) -> Value {
+    json!({
+        "_attn_implementation": "flash_attention_2",
+        "activation_func": "gelu_pytorch_tanh",
+        "attn_bias": false,
+        "init_pos_emb_height": 16,
+        "init_pos_emb_time": 4,
+        "init_pos_emb_width": 16,
+        "linear_bias": false,
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "mlp_type": "mlp2",
+        "mm_hidden_size": 64,
+        "mm_projector_type": "patchmergerv2",
+        "norm_type": "rmsnorm",
+        "patch_embed_proj_bias": false,
+        "patch_size": 14,
+        "pos_emb_interpolation_mode": "bilinear",
+        "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "qkv_hidden_size": 96,
+        "text_hidden_size": text_hidden,
+        "vt_hidden_size": 64,
+        "vt_intermediate_size": 128,
+        "vt_num_attention_heads": 4,
+        "vt_num_hidden_layers": 2
+    })
+}
+
+/// The tiny model's `preprocessor_config.json`: the release processor with smaller limits (at most
+/// 1,024 patches, 64 a side: 256 tokens an image), so images stay cheap on a CPU.
+pub fn tiny_preprocessor_config() -> Value {
+    json!({"media_proc_cfg": {
+        "in_patch_limit": 1024,
+        "patch_size": 14,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_kernel_size": 2,
+        "fixed_output_tokens": null,
+        "patch_limit_on_one_side": 64,
+        "in_patch_limit_each_frame": 1024,
+        "sample_fps": 8.0,
+        "temporal_merge_kernel_size": 4,
+        "transparent_bg_config": {
+            "pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": true,
+            "chessboard_white_value": 255, "chessboard_gray_value": 180
+        },
+        "transparent_bg_fill_stage": "after_resize",
+        "config_type": "media_proc.processors.moonvit.MoonViTMediaProcessorConfig"
+    }})
 }
 
 /// Byte-level vocabulary (256) plus the 256 reserved K3 special ids on top.
@@ -102,7 +160,8 @@ pub fn tiny_config(opts: &TinyOptions) -> Value {
             "quantization_status": "compressed"
         });
     }
-    json!({
+    let hidden = text["hidden_size"].as_u64().unwrap_or(0) as usize;
+    let mut outer = json!({
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "bos_token_id": v - 256,
@@ -111,7 +170,11 @@ pub fn tiny_config(opts: &TinyOptions) -> Value {
         "media_placeholder_token_id": v - 256 + 21,
         "tie_word_embeddings": false,
         "text_config": text,
-    })
+    });
+    if opts.vision {
+        outer["vision_config"] = tiny_vision_config(hidden);
+    }
+    outer
 }
 
 /// Writes `config.json` and `model.safetensors` into `out`.
@@ -125,7 +188,11 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
     let config = parse_config(&config_json.to_string())?;
     let kda_heads = config.text.kda.num_heads;
     let mut rec = NameRecorder::new(|_| mxfp4);
+    let vision = config.vision_config.clone();
     Model::build(config, &mut rec)?;
+    if let Some(vc) = &vision {
+        super::vision::record(&super::vision::VisionConfig::parse(vc)?, &mut rec)?;
+    }
 
     // Draw tensors in sorted order of their logical names (packed experts: the dense `.weight`),
     // so the same seed gives the same model whatever the recording order.
@@ -166,6 +233,11 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
         }
     }
     write_checkpoint(out, &buffers, config_json)?;
+    if vision.is_some() {
+        let path = out.join("preprocessor_config.json");
+        let text = serde_json::to_string_pretty(&tiny_preprocessor_config()).unwrap_or_default();
+        std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+    }
     crate::tokenizer::Tokenizer::write_byte_level(out).map_err(|e| io(out, e))
 }
 
@@ -308,7 +380,15 @@ fn init_values(rng: &mut StdRng, name: &str, shape: &[usize], kda_heads: usize) 
     if name.ends_with("embed_tokens.weight") {
         return normal(0.05, 0.0);
     }
-    let fan_in = shape.get(1).copied().unwrap_or(1).max(1) as f32;
+    if shape.len() == 1 && name.starts_with("vision_tower.") || name == "mm_projector.post_norm.weight" {
+        // The tower's norms (`norm0`, `norm1`, `final_layernorm`) and the projector's.
+        return normal(0.05, 1.0);
+    }
+    if name.ends_with("pos_emb.weight") {
+        return normal(0.5, 0.0);
+    }
+    // A convolution kernel's fan-in is everything after its output channels.
+    let fan_in = shape.iter().skip(1).product::<usize>().max(1) as f32;
     normal(1.0 / fan_in.sqrt(), 0.0)
 }
 

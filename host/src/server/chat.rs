@@ -19,9 +19,10 @@ use super::openai::{ApiError, GenParams, gen_params, new_id, unix_now};
 use super::tenants::{InFlight, LoadedPlugin, Tenant};
 use super::{Shared, json_object};
 use crate::engine::{
-    EngineError, FinishReason, GenHandle, GenRequest, SamplerError, SamplerErrorKind, SamplerRequest, SamplingSpec,
-    SeqEvent, TokenLogprob,
+    EngineError, FinishReason, GenHandle, GenRequest, MediaPrompt, SamplerError, SamplerErrorKind, SamplerRequest,
+    SamplingSpec, SeqEvent, TokenLogprob,
 };
+use crate::model::vision::expand_media_pads;
 use crate::plugins::bindings::host::kimi::host::types::RequestInfo;
 use crate::plugins::{GrammarRequest, OutputEvent, OutputParser, PluginError, RequestMeta, TemplatePlugin};
 use crate::tokenizer::stream::StreamDecoder;
@@ -263,7 +264,7 @@ fn prepare(
     };
     super::bounds::check(&obj, &s.limits)?;
     let body_json = Value::Object(obj.clone()).to_string();
-    let PromptPlan { ids: prompt, stops: stop_tokens, template, grammar_job } = match ep {
+    let PromptPlan { ids: prompt, media, stops: stop_tokens, template, grammar_job } = match ep {
         Endpoint::Chat => chat_prompt(s, tenant, p, &obj, &info, &body_json)?,
         Endpoint::Completions => completion_prompt(s, &obj)?,
     };
@@ -333,6 +334,7 @@ fn prepare(
             },
             logprobs: p.logprobs,
             cache_salt: if s.engine.config.prefix_cache { cache_salt } else { None },
+            media,
         },
         template,
         parser_info,
@@ -345,9 +347,63 @@ fn prepare(
 /// grammar plugin call still to make.
 struct PromptPlan {
     ids: Vec<u32>,
+    /// The prompt's images (their `<|media_pad|>` already expanded in `ids`).
+    media: Option<Arc<MediaPrompt>>,
     stops: Vec<u32>,
     template: Option<Arc<TemplatePlugin>>,
     grammar_job: Option<(Arc<crate::plugins::GrammarPlugin>, GrammarRequest)>,
+}
+
+/// Decodes and preprocesses a chat request's images (in prompt order, as the template rendered
+/// their `<|media_pad|>` blocks) and expands each pad into the image's token count.
+fn prompt_images(
+    s: &Shared,
+    obj: &Map<String, Value>,
+    ids: Vec<u32>,
+    pad: u32,
+) -> Result<(Vec<u32>, MediaPrompt), ApiError> {
+    let Some(vision) = &s.vision else {
+        return Err(ApiError::param(
+            "messages",
+            "images are not supported by this model (the checkpoint has no vision tower)",
+        ));
+    };
+    let urls = super::images::image_urls(obj);
+    let pads = ids.iter().filter(|&&t| t == pad).count();
+    if pads != urls.len() {
+        return Err(ApiError::param(
+            "messages",
+            format!("the rendered prompt has {pads} image placeholders for {} images", urls.len()),
+        ));
+    }
+    let caps = super::images::ImageCaps { max_bytes: s.limits.max_image_bytes, max_pixels: s.limits.max_image_pixels };
+    let mut items = Vec::with_capacity(urls.len());
+    let mut patches = 0usize;
+    for (i, url) in urls.iter().enumerate() {
+        let url = url.ok_or_else(|| ApiError::param("messages", format!("image {}: no url", i + 1)))?;
+        let img = super::images::decode_data_uri(url, i, caps)?;
+        // The patch count is known from the resize plan: check it before resizing.
+        let plan = vision.media.plan(img.width, img.height);
+        let grid = plan.grid_thw(&vision.media);
+        patches += grid.iter().product::<usize>();
+        if patches > s.limits.max_image_patches {
+            return Err(ApiError {
+                code: Some("request_too_large"),
+                ..ApiError::param(
+                    "messages",
+                    format!(
+                        "the images come to over {} vision patches, this server's limit per request",
+                        s.limits.max_image_patches
+                    ),
+                )
+            });
+        }
+        items.push(vision.preprocess(&img).input);
+    }
+    let tokens: Vec<usize> = items.iter().map(|i| i.tokens()).collect();
+    let (ids, positions) =
+        expand_media_pads(&ids, pad, &tokens).map_err(|e| ApiError::param("messages", e.to_string()))?;
+    Ok((ids, MediaPrompt { items, positions }))
 }
 
 /// Chat: the template plugin renders the messages; the tenant's grammar plugin will turn tools,
@@ -380,18 +436,13 @@ fn chat_prompt(
     let rendered = t.render(&s.env, &tenant.services, info, body_json).map_err(plugin_error)?;
     let segs: Vec<Segment> = rendered.segments.into_iter().map(Segment::from).collect();
     let ids = s.tok.encode_segments(&segs).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
-    if let Some(pad) = s.tok.special_id("<|media_pad|>")
-        && ids.contains(&pad)
-    {
-        return Err(ApiError::param(
-            "messages",
-            if s.has_vision {
-                "images are not supported by this server yet (the vision tower is not implemented)"
-            } else {
-                "images not supported by this model (the checkpoint has no vision tower)"
-            },
-        ));
-    }
+    let (ids, media) = match s.tok.special_id("<|media_pad|>") {
+        Some(pad) if ids.contains(&pad) => {
+            let (ids, media) = prompt_images(s, obj, ids, pad)?;
+            (ids, Some(Arc::new(media)))
+        }
+        _ => (ids, None),
+    };
     let mut stops: Vec<u32> = rendered.stop_specials.iter().filter_map(|n| s.tok.special_id(n)).collect();
     if stops.is_empty() {
         stops = s.env.eos_tokens.clone();
@@ -418,7 +469,7 @@ fn chat_prompt(
         };
         grammar_job = Some((g, gr));
     }
-    Ok(PromptPlan { ids, stops, template: Some(t), grammar_job })
+    Ok(PromptPlan { ids, media, stops, template: Some(t), grammar_job })
 }
 
 /// Completions: the prompt is plain text only, so user text never becomes a special token.
@@ -429,7 +480,13 @@ fn completion_prompt(s: &Shared, obj: &Map<String, Value>) -> Result<PromptPlan,
         None => return Err(ApiError::param("prompt", "prompt is required")),
         Some(_) => return Err(ApiError::param("prompt", "prompt must be a string (one prompt per request)")),
     };
-    Ok(PromptPlan { ids: s.tok.encode_text(&text), stops: s.env.eos_tokens.clone(), template: None, grammar_job: None })
+    Ok(PromptPlan {
+        ids: s.tok.encode_text(&text),
+        media: None,
+        stops: s.env.eos_tokens.clone(),
+        template: None,
+        grammar_job: None,
+    })
 }
 
 /// `max_tokens` for a prompt of `prompt_len`: the request's if it fits the context, else the

@@ -114,6 +114,7 @@ impl EngineSection {
             return Err(ConfigError::Invalid("engine.max_seqs and engine.max_batched_tokens must be ≥ 1".into()));
         }
         Ok(EngineConfig {
+            vision: None,
             max_seqs: self.max_seqs,
             max_batched_tokens: self.max_batched_tokens,
             state_memory: parse_size(&self.state_memory).ok_or_else(|| {
@@ -145,6 +146,13 @@ pub struct LimitsSection {
     pub max_content_parts: usize,
     /// Most image parts.
     pub max_images: usize,
+    /// Largest encoded image (after base64 decoding), bytes.
+    pub max_image_bytes: usize,
+    /// Most pixels (width × height) an image may declare; checked from its header, before
+    /// decoding (a decompression bomb declares more).
+    pub max_image_pixels: u64,
+    /// Most vision-tower patches (after the release resize) over a request's images.
+    pub max_image_patches: usize,
     /// Most tools.
     pub max_tools: usize,
     /// Most `properties` entries over all schemas (tools and response_format).
@@ -176,6 +184,9 @@ impl Default for LimitsSection {
             max_messages: 4096,
             max_content_parts: 8192,
             max_images: 32,
+            max_image_bytes: 20 << 20,
+            max_image_pixels: 1 << 26,
+            max_image_patches: crate::model::vision::MAX_PATCHES_PER_CALL,
             max_tools: 128,
             max_schema_properties: 5000,
             max_schema_nodes: 100_000,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::model::tiny::{TinyOptions, make_tiny};
 
 /// Bumped when the generated checkpoint changes.
-const NAME: &str = "tiny-k31-mxfp4-v1";
+const NAME: &str = "tiny-k31-mxfp4-vision-v2";
 pub const MODEL_NAME: &str = "kimi-k3-tiny";
 
 /// `$KIMI_HOST_CACHE`, `$XDG_CACHE_HOME/kimi-host` or `~/.cache/kimi-host`.
@@ -40,7 +40,7 @@ pub fn ensure_model() -> Result<PathBuf, EmbeddedModelError> {
     let bar = indicatif::ProgressBar::new_spinner();
     bar.set_message(format!("generating the embedded tiny K3.1 model into {}", dir.display()));
     bar.enable_steady_tick(Duration::from_millis(100));
-    let made = make_tiny(&tmp, &TinyOptions { seed: 0x4b33, k31: true, mxfp4: true });
+    let made = make_tiny(&tmp, &TinyOptions { seed: 0x4b33, k31: true, mxfp4: true, vision: true });
     bar.finish_and_clear();
     made?;
     // Another process may have finished first; either copy is the same model.

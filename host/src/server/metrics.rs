@@ -166,6 +166,10 @@ pub struct Metrics {
     prefix_bytes: Gauge,
     spec_proposed: Counter,
     spec_accepted: Counter,
+    vision_calls: Counter,
+    vision_items: Counter,
+    vision_patches: Counter,
+    vision_seconds: Counter<f64, AtomicU64>,
     cancelled: Counter,
     pool_timeouts: Counter,
     faults: Counter,
@@ -267,6 +271,12 @@ impl Metrics {
             "engine_spec_accepted_tokens",
             "Draft tokens accepted; mean accept length = accepted / verify rounds",
         );
+        let vision_calls =
+            c(&mut r, "engine_vision_calls", "Vision tower calls (one per step with images, batched across requests)");
+        let vision_items = c(&mut r, "engine_vision_images", "Images (and clips) run through the vision tower");
+        let vision_patches = c(&mut r, "engine_vision_patches", "Vision tower patches (after the release resize)");
+        let vision_seconds = Counter::<f64, AtomicU64>::default();
+        r.register("engine_vision_seconds", "Time in the vision tower and projector", vision_seconds.clone());
         let cancelled = c(&mut r, "engine_cancelled_requests", "Requests freed because the client left");
         let pool_timeouts = c(&mut r, "engine_pool_timeouts", "Requests refused after waiting for state");
         let faults = c(&mut r, "engine_faults", "Panics caught inside engine steps (their requests failed)");
@@ -321,6 +331,10 @@ impl Metrics {
             prefix_bytes,
             spec_proposed,
             spec_accepted,
+            vision_calls,
+            vision_items,
+            vision_patches,
+            vision_seconds,
             cancelled,
             pool_timeouts,
             faults,
@@ -387,6 +401,13 @@ impl Metrics {
         self.prefix_bytes.set(load(&stats.prefix_bytes));
         sync(&self.spec_proposed, stats.spec_proposed.load(Ordering::Relaxed));
         sync(&self.spec_accepted, stats.spec_accepted.load(Ordering::Relaxed));
+        sync(&self.vision_calls, stats.vision_calls.load(Ordering::Relaxed));
+        sync(&self.vision_items, stats.vision_items.load(Ordering::Relaxed));
+        sync(&self.vision_patches, stats.vision_patches.load(Ordering::Relaxed));
+        let secs = stats.vision_micros.load(Ordering::Relaxed) as f64 * 1e-6;
+        if secs > self.vision_seconds.get() {
+            self.vision_seconds.inc_by(secs - self.vision_seconds.get());
+        }
         sync(&self.cancelled, stats.cancelled.load(Ordering::Relaxed));
         sync(&self.pool_timeouts, stats.pool_timeouts.load(Ordering::Relaxed));
         sync(&self.faults, stats.faults.load(Ordering::Relaxed));

@@ -7,6 +7,7 @@ pub mod bounds;
 pub mod chat;
 pub mod config;
 pub mod embedded;
+pub mod images;
 pub mod listener;
 pub mod metrics;
 pub mod openai;
@@ -30,6 +31,7 @@ use tower_http::trace::TraceLayer;
 use crate::engine::{Engine, Speculation};
 use crate::grammar::GrammarEngine;
 use crate::model::dspark::DsparkDraft;
+use crate::model::vision::VisionModel;
 use crate::model::{Model, Parallelism, WeightFormat};
 use crate::plugins::{PluginEnv, PluginRuntime, RuntimeOptions};
 use crate::tokenizer::Tokenizer;
@@ -53,7 +55,8 @@ pub struct AppState {
     pub metrics: Metrics,
     pub max_context: usize,
     pub vocab: u32,
-    pub has_vision: bool,
+    /// The vision tower (a checkpoint with `vision_config`), or `None`: images are refused.
+    pub vision: Option<Arc<VisionModel>>,
     pub created: u64,
 }
 
@@ -132,8 +135,12 @@ impl AppState {
         let max_context = cfg.limits.max_context.map_or(model.text_config().max_position_embeddings, |m| {
             m.min(model.text_config().max_position_embeddings)
         });
-        let has_vision = model.config.vision_config.is_some();
+        let vision = match &model.config.vision_config {
+            Some(vc) => Some(Arc::new(load_vision(model_dir, vc, &model, &tok)?)),
+            None => None,
+        };
         let mut engine_config = cfg.engine.engine_config()?;
+        engine_config.vision = vision.clone();
         if let Some(dir) = &cfg.draft {
             let draft = DsparkDraft::load(dir, &model)
                 .map_err(|e| ServeError::Model { path: dir.clone(), msg: format!("draft: {e}") })?;
@@ -159,7 +166,7 @@ impl AppState {
             metrics: Metrics::new(),
             max_context,
             vocab: vocab as u32,
-            has_vision,
+            vision,
             created: openai::unix_now(),
         })
     }
@@ -193,6 +200,33 @@ impl AppState {
             }
         }
     }
+}
+
+/// The checkpoint's vision tower, checked against the text model and tokenizer it feeds.
+fn load_vision(
+    model_dir: &std::path::Path,
+    vc: &serde_json::Value,
+    model: &Model,
+    tok: &Tokenizer,
+) -> Result<VisionModel, ServeError> {
+    let err = |msg: String| ServeError::Model { path: model_dir.into(), msg };
+    let vm = VisionModel::load(model_dir, vc, model.backend()).map_err(|e| err(format!("vision tower: {e}")))?;
+    let hidden = model.text_config().hidden_size;
+    if vm.config.text_hidden_size != hidden {
+        return Err(err(format!(
+            "vision_config.text_hidden_size is {} but the text model's hidden size is {hidden}",
+            vm.config.text_hidden_size
+        )));
+    }
+    let pad = tok.special_id("<|media_pad|>");
+    if pad.is_none() || model.config.media_placeholder_token_id.is_some_and(|id| Some(id) != pad) {
+        return Err(err(format!(
+            "media_placeholder_token_id {:?} is not the tokenizer's <|media_pad|> ({pad:?})",
+            model.config.media_placeholder_token_id
+        )));
+    }
+    tracing::info!(layers = vm.config.vt_num_hidden_layers, hidden = vm.config.vt_hidden_size, "vision tower loaded");
+    Ok(vm)
 }
 
 impl AppState {

@@ -9,6 +9,7 @@ The model has random weights: checks are about the server's behaviour, never the
 """
 
 import base64
+import zlib
 import json
 import os
 import subprocess
@@ -210,9 +211,33 @@ def test_uploaded_sampler_is_per_tenant():
         pass
 
 
-# A 2×2 PNG header (width, height) is all the template reads.
+# A 2×2 PNG header with no pixel data: the template reads its size, the decoder refuses it.
 PNG_URI = "data:image/png;base64," + base64.b64encode(
     b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR" + (2).to_bytes(4, "big") + (2).to_bytes(4, "big") + b"\x08\x06\0\0\0").decode()
+
+
+def png_uri(w, h, seed):
+    """A real w×h RGB PNG (zlib + CRC by hand: the suite's virtualenv has no imaging package)."""
+    def chunk(kind, data):
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    rows = b"".join(b"\0" + bytes((x * 7 + y * 3 + seed) % 256 for x in range(w * 3)) for y in range(h))
+    ihdr = w.to_bytes(4, "big") + h.to_bytes(4, "big") + b"\x08\x02\0\0\0"
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_images_reach_the_model():
+    def ask(uri, **kw):
+        content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": uri}}]
+        return chat(messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0, **kw)
+    # 100×60 pads to 112×84 (12 tokens), 200×60 to 224×84 (24): the usage difference is the tower's.
+    a = ask(png_uri(100, 60, 1), logprobs=True, top_logprobs=5)
+    b = ask(png_uri(200, 60, 1))
+    assert b.usage.prompt_tokens - a.usage.prompt_tokens == 12, (a.usage, b.usage)
+    c = ask(png_uri(100, 60, 90), logprobs=True, top_logprobs=5)
+    top = lambda r: [(t.token, round(t.logprob, 4)) for t in r.choices[0].logprobs.content[0].top_logprobs]
+    assert top(a) != top(c), "different pixels, same log-probabilities"
+    assert metric(URL, "kimi_engine_vision_images_total") >= 3
 
 
 def test_tenant_policies():
@@ -308,7 +333,7 @@ def test_bad_input_is_4xx_and_the_server_keeps_serving():
         err = r.json()["error"]
         assert err["message"] and err["type"], err
     r = post_raw(cases[-1][0])
-    assert "images not supported by this model" in r.json()["error"]["message"], r.text
+    assert "image 1" in r.json()["error"]["message"], r.text
     for key, status in [(None, 401), ("wrong-key", 401)]:
         r = post_raw(ok, key=key)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text

@@ -105,7 +105,7 @@ fn bad_cli_input_is_a_clear_error() {
 #[test]
 fn make_tiny_k31_mxfp4_runs_end_to_end() {
     let dir = tempfile::tempdir().expect("tempdir");
-    make_tiny(dir.path(), &TinyOptions { seed: 7, k31: true, mxfp4: true }).expect("make-tiny");
+    make_tiny(dir.path(), &TinyOptions { seed: 7, k31: true, mxfp4: true, vision: false }).expect("make-tiny");
     let m = Model::load(dir.path()).expect("load tiny");
     let c = m.text_config().clone();
     assert_eq!(c.indexer.as_ref().map(|i| i.topk), Some(64));

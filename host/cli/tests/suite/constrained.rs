@@ -26,7 +26,7 @@ struct Harness {
 
 fn harness() -> (tempfile::TempDir, Harness) {
     let dir = tempfile::tempdir().expect("tempdir");
-    make_tiny(dir.path(), &TinyOptions { seed: 11, k31: true, mxfp4: true }).expect("make-tiny");
+    make_tiny(dir.path(), &TinyOptions { seed: 11, k31: true, mxfp4: true, vision: false }).expect("make-tiny");
     let model = Model::load(dir.path()).expect("model");
     let tok = Arc::new(Tokenizer::load(dir.path()).expect("byte-level tokenizer"));
     let eos = tok.special_id("<|end_of_msg|>").expect("eos");
@@ -240,6 +240,7 @@ fn required_tool_calls_validate_with_speculation_on() {
             },
             logprobs: None,
             cache_salt: None,
+            media: None,
         };
         e.submit(req).expect("submit")
     };

@@ -24,7 +24,7 @@ struct Fixture {
 
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().expect("tempdir");
-    make_tiny(dir.path(), &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+    make_tiny(dir.path(), &TinyOptions { seed: 5, k31: true, mxfp4: true, vision: false }).expect("make-tiny");
     let model = Arc::new(Model::load(dir.path()).expect("model"));
     fixture_with(dir, model)
 }
@@ -58,6 +58,7 @@ fn request(f: &Fixture, prompt: Vec<u32>, max_tokens: usize, n: usize, params: &
         },
         logprobs: None,
         cache_salt: None,
+        media: None,
     }
 }
 

@@ -79,7 +79,7 @@ fn tiny_model() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = tempfile::tempdir().expect("tempdir");
-        make_tiny(dir.path(), &TinyOptions { seed: 3, k31: true, mxfp4: true }).expect("make-tiny");
+        make_tiny(dir.path(), &TinyOptions { seed: 3, k31: true, mxfp4: true, vision: false }).expect("make-tiny");
         dir
     })
     .path()

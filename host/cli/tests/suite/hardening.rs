@@ -78,7 +78,7 @@ fn start_with(dir: &Path, extra: &str, tenants: &str) -> (Server, SocketAddr) {
 fn start_full(dir: &Path, extra: &str, tenants: &str, flags: &[&std::ffi::OsStr]) -> (Server, SocketAddr) {
     let model = dir.join("model");
     if !model.exists() {
-        make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+        make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true, vision: true }).expect("make-tiny");
     }
     // A policy named by path (operator-configured, not a builtin).
     let policy = dir.join("limits.wasm");
@@ -477,7 +477,7 @@ fn a_queued_stream_gets_keepalives() {
 fn serve_with_a_draft_speculates_and_counts_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("model");
-    make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true }).expect("make-tiny");
+    make_tiny(&model, &TinyOptions { seed: 5, k31: true, mxfp4: true, vision: false }).expect("make-tiny");
     let draft = dir.path().join("draft");
     kimi_host::model::tiny::make_draft(&model, &draft, 1, 2).expect("make-draft");
     let flags = [std::ffi::OsStr::new("--draft"), draft.as_os_str(), "--num-speculative-tokens".as_ref(), "3".as_ref()];
@@ -562,4 +562,97 @@ fn metric(addr: SocketAddr, name: &str) -> (f64, String) {
         .and_then(|n| n.trim().parse::<f64>().ok())
         .unwrap_or_else(|| panic!("no {name}: {page}"));
     (value, page)
+}
+
+/// PNG bytes of a `w × h` RGB image whose pixels depend on `seed`.
+fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb([(x as u8).wrapping_mul(7) ^ seed, (y as u8).wrapping_mul(3).wrapping_add(seed), seed])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).expect("encode");
+    out.into_inner()
+}
+
+/// CRC-32 (IEEE), for re-signing an edited PNG header.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 == 1 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+        }
+    }
+    !c
+}
+
+/// A valid PNG whose header declares `w × h` (its data is for 1 × 1): what a decompression bomb
+/// looks like before decoding.
+fn png_declaring(w: u32, h: u32) -> Vec<u8> {
+    let mut b = png(1, 1, 0);
+    b[16..20].copy_from_slice(&w.to_be_bytes());
+    b[20..24].copy_from_slice(&h.to_be_bytes());
+    let crc = crc32(&b[12..29]);
+    b[29..33].copy_from_slice(&crc.to_be_bytes());
+    b
+}
+
+fn image_chat(uri: &str, extra: Value) -> Value {
+    let content = json!([{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": uri}}]);
+    chat(json!({"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 1}))
+        .as_object()
+        .map(|o| {
+            let mut o = o.clone();
+            for (k, v) in extra.as_object().into_iter().flatten() {
+                o.insert(k.clone(), v.clone());
+            }
+            Value::Object(o)
+        })
+        .unwrap_or(Value::Null)
+}
+
+/// Images reach the model: their tokens count in usage (the resize plan's, each `<|media_pad|>`
+/// expanded), different pixels give different logits, the tower's cost is in /metrics; a
+/// decompression bomb, a truncated PNG, a 0×0 image and a non-image data URI each get an
+/// OpenAI-shaped 400 and the server keeps serving.
+#[test]
+fn images_are_seen_and_bad_images_answer_400() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_server, addr) = start(dir.path(), "");
+    let uri = |bytes: &[u8]| format!("data:image/png;base64,{}", base64_of(bytes));
+    let post = |body: &Value| request(addr, "POST", "/v1/chat/completions", None, Some(body));
+    // 100×60 pads to 112×84 (8×6 patches, 12 tokens); 200×60 to 224×84 (16×6, 24 tokens). The
+    // media blocks' texts ("image 100x60", "image 200x60") are the same length.
+    let (s1, a) = post(&image_chat(&uri(&png(100, 60, 1)), json!({"logprobs": true, "top_logprobs": 5})));
+    let (s2, b) = post(&image_chat(&uri(&png(200, 60, 1)), json!({})));
+    assert_eq!((s1, s2), (200, 200), "{a} {b}");
+    let tokens = |v: &Value| v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    assert_eq!(tokens(&b) - tokens(&a), 12, "image tokens are counted in usage: {a} {b}");
+    // Same size, other pixels: the logits move.
+    let (_, c) = post(&image_chat(&uri(&png(100, 60, 200)), json!({"logprobs": true, "top_logprobs": 5})));
+    assert_eq!(tokens(&a), tokens(&c));
+    let top = |v: &Value| v["choices"][0]["logprobs"]["content"][0]["top_logprobs"].to_string();
+    assert_ne!(top(&a), top(&c), "two different images gave identical log-probabilities");
+    let (calls, _) = metric(addr, "kimi_engine_vision_images_total");
+    assert!(calls >= 3.0, "vision tower calls not counted: {calls}");
+
+    let mut truncated = png(100, 60, 1);
+    truncated.truncate(truncated.len() / 2);
+    for (what, url) in [
+        ("a decompression bomb", uri(&png_declaring(40_000, 40_000))),
+        ("a truncated PNG", uri(&truncated)),
+        ("a 0x0 image", uri(&png_declaring(0, 0))),
+        ("a non-image data URI", format!("data:text/plain;base64,{}", base64_of(b"hello, world"))),
+    ] {
+        let (status, v) = post(&image_chat(&url, json!({})));
+        assert_eq!(status, 400, "{what}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
+        assert_serving(addr, what);
+    }
+    let (_, v) = post(&image_chat(&uri(&png_declaring(40_000, 40_000)), json!({})));
+    assert!(
+        v["error"]["message"].as_str().unwrap_or("").contains("pixels"),
+        "the bomb is refused from its header: {v}"
+    );
 }

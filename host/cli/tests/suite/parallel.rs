@@ -174,7 +174,7 @@ fn tensor_parallel_2_and_4_equal_one_rank_on_the_goldens() {
 fn tensor_parallel_3_splits_uneven_dimensions() {
     // 3 KDA and 3 MLA heads; dense intermediate 112, expert intermediate 160 (5 MXFP4 blocks:
     // 2, 2, 1), shared experts 160, hidden 256 and vocabulary 512: none divides by 3.
-    let mut cfg = tiny_config(&TinyOptions { seed: 7, k31: true, mxfp4: true });
+    let mut cfg = tiny_config(&TinyOptions { seed: 7, k31: true, mxfp4: true, vision: false });
     let t = &mut cfg["text_config"];
     t["linear_attn_config"]["num_heads"] = 3.into();
     t["num_attention_heads"] = 3.into();
@@ -235,7 +235,7 @@ fn context_parallel_2_and_3_equal_one_cache_per_rank() {
     let d = check_context_parallel(&g.dir, 2, &prompt);
     eprintln!("k31-tiny-indexer CP 2: max |Δ logits| {d:.2e}");
 
-    let mut cfg = tiny_config(&TinyOptions { seed: 9, k31: true, mxfp4: false });
+    let mut cfg = tiny_config(&TinyOptions { seed: 9, k31: true, mxfp4: false, vision: false });
     let t = &mut cfg["text_config"];
     t["linear_attn_config"]["num_heads"] = 3.into();
     t["num_attention_heads"] = 3.into();

@@ -41,6 +41,7 @@ fn request(s: &Arc<Mutex<TenantSampler>>, prompt: Vec<u32>, n: usize, salt: Opti
         },
         logprobs: Some(3),
         cache_salt: salt.map(str::to_string),
+        media: None,
     }
 }
 

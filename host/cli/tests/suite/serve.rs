@@ -103,7 +103,7 @@ fn start(config: &Path, addr: SocketAddr, log: &Path) -> Server {
 fn openai_client_against_kimi_host_serve() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("model");
-    make_tiny(&model, &TinyOptions { seed: 3, k31: true, mxfp4: true }).expect("make-tiny");
+    make_tiny(&model, &TinyOptions { seed: 3, k31: true, mxfp4: true, vision: true }).expect("make-tiny");
     let cache = dir.path().join("plugin-cache");
     let (main, small) = (free_port(), free_port());
     let config = |addr: SocketAddr, top: &str, extra: &str, tenants: &str| {

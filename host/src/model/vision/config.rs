@@ -201,6 +201,11 @@ struct PreprocessorWire {
 }
 
 impl MediaProcConfig {
+    /// The release resize plan of a `width × height` image under these limits.
+    pub fn plan(&self, width: usize, height: usize) -> super::preprocess::ResizePlan {
+        super::preprocess::ResizePlan::new(width, height, self)
+    }
+
     /// The Kimi-K3 release values.
     pub fn release() -> MediaProcConfig {
         MediaProcConfig {

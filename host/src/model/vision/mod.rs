@@ -40,6 +40,15 @@ pub struct VisionModel {
     _checkpoint: Option<Checkpoint>,
 }
 
+impl std::fmt::Debug for VisionModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VisionModel")
+            .field("layers", &self.config.vt_num_hidden_layers)
+            .field("hidden", &self.config.vt_hidden_size)
+            .finish()
+    }
+}
+
 impl VisionModel {
     /// Loads `vision_config` (from the model's `config.json`), the `vision_tower.*` and
     /// `mm_projector.*` tensors of `dir`'s checkpoint and `preprocessor_config.json`, and lays the
@@ -71,6 +80,11 @@ impl VisionModel {
         let projector = Projector::build(&config, src)?;
         let tower = Tower::build(config.clone(), src)?;
         Ok(VisionModel { config, media, tower, projector, scratch: Scratch::new(), _checkpoint: None })
+    }
+
+    /// The release resize plan of a `width × height` image.
+    pub fn plan(&self, width: usize, height: usize) -> ResizePlan {
+        ResizePlan::new(width, height, &self.media)
     }
 
     /// The release processor on one image.
