@@ -487,7 +487,6 @@ impl Worker {
         if let Some(sp) = &speculation {
             self.propose(sp, max_context, &mut failures);
         }
-        let mut prefill = prefill;
         if prefill.iter().any(|&(i, take)| self.needs_tower(&self.running[i], take)) {
             self.encode_media(&mut prefill, &mut failures);
         }

@@ -140,7 +140,7 @@ mod tests {
         }
         // Declared size over the cap: refused from the header.
         let big = png(2048, 1024);
-        let e = decode_data_uri(&uri(&big), 0, caps()).err().expect("refused");
+        let e = decode_data_uri(&uri(&big), 0, caps()).expect_err("refused");
         assert!(e.message.contains("pixels"), "{}", e.message);
     }
 }

@@ -366,3 +366,54 @@ fn speculate_make_draft_and_bench_with_a_draft() {
     let err = String::from_utf8_lossy(&wrong.stderr);
     assert!(err.contains("target_hidden_size") || err.contains("vocab_size"), "{err}");
 }
+
+/// `vision` writes the vision case's tensors (with `--text-model` naming the text case it plugs
+/// into); `make-tiny --vision` writes a tower the server loads; a model without one is refused.
+#[test]
+fn vision_command_and_make_tiny_vision() {
+    let g = common::golden_dir();
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("vision.safetensors");
+    run_ok(
+        bin()
+            .arg("vision")
+            .arg("--model")
+            .arg(g.join("vision-tiny"))
+            .arg("--text-model")
+            .arg(g.join("k3-tiny"))
+            .arg("--case")
+            .arg(g.join("vision-tiny"))
+            .arg("--out")
+            .arg(&file),
+    );
+    let written = kimi_host::model::checkpoint::Checkpoint::open_file(&file).expect("safetensors");
+    let golden =
+        kimi_host::model::checkpoint::Checkpoint::open_file(&g.join("vision-tiny/golden.safetensors")).expect("golden");
+    for name in ["projector.out", "e2e.logits", "tower.merged"] {
+        let (a, b) = (written.info(name).expect(name), golden.info(name).expect(name));
+        let d = common::max_abs_diff(&written.read_f32(a), &golden.read_f32(b));
+        assert!(d < 0.013, "{name}: {d}");
+    }
+    assert!(written.contains("preproc.img3.resized_padded_u8"));
+
+    let model = out.path().join("model");
+    run_ok(bin().args(["make-tiny", "--k31", "--vision", "--out"]).arg(&model));
+    assert!(model.join("preprocessor_config.json").exists());
+    let cfg = kimi_host::model::config::load_config(&model).expect("config");
+    let vc = cfg.vision_config.expect("make-tiny --vision writes vision_config");
+    let m = kimi_host::model::Model::load(&model).expect("model");
+    kimi_host::model::vision::VisionModel::load(&model, &vc, m.backend()).expect("its tower loads");
+
+    let text_only = bin()
+        .arg("vision")
+        .arg("--model")
+        .arg(g.join("k3-tiny"))
+        .arg("--case")
+        .arg(g.join("vision-tiny"))
+        .arg("--out")
+        .arg(&file)
+        .output()
+        .expect("run");
+    assert!(!text_only.status.success());
+    assert!(String::from_utf8_lossy(&text_only.stderr).contains("vision_config"));
+}

@@ -489,3 +489,70 @@ fn speculative_sampling_follows_the_exact_distribution() {
     assert!(s.spec_rounds.load(Relaxed) > 0, "the draft proposed");
     engine.shutdown(Duration::from_secs(5));
 }
+
+/// Images through the engine: the vision-tiny case's prompt (five images, 85 tokens) served by
+/// an engine whose 7-token chunks cut through the image rows, two requests at once. The first
+/// token's log-probabilities equal the golden end-to-end logits' (the release merge, no cache),
+/// and the tower ran over both requests' images.
+#[test]
+fn images_in_chunked_prefill_match_the_vision_goldens() {
+    use kimi_host::engine::MediaPrompt;
+    use kimi_host::model::vision::{Image, VisionModel};
+    let g = crate::common::Golden::open("vision-tiny");
+    let model = Arc::new(Model::load(&g.dir).expect("the vision case's text model loads"));
+    let vc = model.config.vision_config.clone().expect("vision_config");
+    let vision = Arc::new(VisionModel::load(&g.dir, &vc, model.backend()).expect("tower"));
+    let items: Vec<_> = ["img0", "img1", "img2", "img3", "img4"]
+        .iter()
+        .map(|name| {
+            let (key, ch) = if g.has(&format!("input.{name}.rgb")) {
+                (format!("input.{name}.rgb"), 3)
+            } else {
+                (format!("input.{name}.rgba"), 4)
+            };
+            let s = g.shape(&key);
+            vision.preprocess(&Image { width: s[1], height: s[0], channels: ch, data: g.u8(&key) }).input
+        })
+        .collect();
+    let prompt = g.ids("e2e.expanded_input_ids");
+    let pad = model.config.media_placeholder_token_id.expect("pad id");
+    let positions: Vec<usize> = prompt.iter().enumerate().filter(|(_, t)| **t == pad).map(|(i, _)| i).collect();
+    let media = Arc::new(MediaPrompt { items, positions });
+    let f = fixture_with(tempfile::tempdir().expect("tempdir"), model.clone());
+    let cfg =
+        EngineConfig { max_batched_tokens: 7, state_memory: 64 << 20, vision: Some(vision), ..Default::default() };
+    let e = Engine::start(model.clone(), cfg).expect("engine");
+    let mut handles: Vec<_> = (0..2)
+        .map(|_| {
+            let mut r = request(&f, prompt.clone(), 1, 1, r#"{"temperature": 0}"#);
+            r.logprobs = Some(5);
+            r.media = Some(media.clone());
+            e.submit(r).expect("submit")
+        })
+        .collect();
+    // The golden's last row, as log-probabilities.
+    let logits = g.f32("e2e.logits");
+    let v = model.text_config().vocab_size;
+    let last = &logits[logits.len() - v..];
+    let m = last.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + last.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
+    for h in &mut handles {
+        let first = loop {
+            match h.events.blocking_recv() {
+                Some(SeqEvent::Token { logprob, id, .. }) => break (id, logprob.expect("logprobs")),
+                Some(SeqEvent::Failed { error, .. }) => panic!("failed: {error:?}"),
+                Some(_) => {}
+                None => panic!("stream closed"),
+            }
+        };
+        let (id, lp) = first;
+        let want = last[id as usize] - lse;
+        assert!((lp.logprob - want).abs() < 0.03, "token {id}: logprob {} vs golden {want}", lp.logprob);
+        for (t, l) in &lp.top {
+            assert!((l - (last[*t as usize] - lse)).abs() < 0.03, "top token {t}: {l}");
+        }
+    }
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(e.stats.vision_items.load(Relaxed), 10, "each request's five images ran through the tower");
+    assert!(e.stats.vision_calls.load(Relaxed) >= 1);
+}
