@@ -43,6 +43,8 @@ pub struct InspectReport {
     /// KDA state + latent cache + indexer keys for one sequence of `context_tokens`.
     pub sequence_bytes_for_context: u64,
     pub name_check: Option<NameCheck>,
+    /// Parameters of the vision tower and projector (0 without `vision_config`).
+    pub vision_params: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -56,13 +58,21 @@ pub struct NameCheck {
     pub unused: Vec<String>,
     /// Tensors of the vision tower and projector (not part of the text model).
     pub vision: usize,
+    /// Needed by the vision tower (`vision_config`) but not in the checkpoint.
+    pub vision_missing: Vec<String>,
+    /// `vision_tower.*` / `mm_projector.*` tensors the tower does not read.
+    pub vision_unused: Vec<String>,
     /// Anything else.
     pub other: Vec<String>,
 }
 
 impl NameCheck {
     pub fn ok(&self) -> bool {
-        self.missing.is_empty() && self.unused.is_empty() && self.other.is_empty()
+        self.missing.is_empty()
+            && self.unused.is_empty()
+            && self.other.is_empty()
+            && self.vision_missing.is_empty()
+            && self.vision_unused.is_empty()
     }
 }
 
@@ -100,7 +110,14 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         Some((_, names)) => names.contains(&format!("{base}.weight_packed")),
         None => c.mxfp4_declared,
     });
+    let vision_config = config.vision_config.clone();
     Model::build(config, &mut rec)?;
+    // The vision tower and projector, when the checkpoint has one.
+    let mut vision_rec = NameRecorder::new(|_: &str| false);
+    if let Some(vc) = &vision_config {
+        kimi_host::model::vision::record(&kimi_host::model::vision::VisionConfig::parse(vc)?, &mut vision_rec)?;
+    }
+    let vision_params: u64 = vision_rec.tensors.iter().map(|t| t.params).sum();
 
     let mut params_by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for t in &rec.tensors {
@@ -120,7 +137,7 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         ),
         Err(_) => {
             let mut m = BTreeMap::new();
-            for t in &rec.tensors {
+            for t in rec.tensors.iter().chain(&vision_rec.tensors) {
                 *m.entry(t.dtype.name().to_string()).or_default() += t.bytes;
             }
             (m, "estimated from the release storage dtypes (no weights here)".to_string())
@@ -142,9 +159,15 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         let mut unused = Vec::new();
         let mut other = Vec::new();
         let mut vision = 0;
+        let vision_needed: BTreeSet<&str> = vision_rec.tensors.iter().map(|t| t.name.as_str()).collect();
+        let vision_missing = vision_needed.iter().filter(|n| !names.contains(**n)).map(|n| n.to_string()).collect();
+        let mut vision_unused = Vec::new();
         for n in names {
             if n.starts_with("vision_tower.") || n.starts_with("mm_projector.") {
                 vision += 1;
+                if !vision_needed.contains(n.as_str()) {
+                    vision_unused.push(n.clone());
+                }
             } else if n.starts_with(PREFIX) {
                 if !needed.contains(n.as_str()) {
                     unused.push(n.clone());
@@ -153,7 +176,17 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
                 other.push(n.clone());
             }
         }
-        NameCheck { source: source.clone(), listed: names.len(), needed: needed.len(), missing, unused, vision, other }
+        NameCheck {
+            source: source.clone(),
+            listed: names.len(),
+            needed: needed.len(),
+            missing,
+            unused,
+            vision,
+            vision_missing,
+            vision_unused,
+            other,
+        }
     });
 
     Ok(InspectReport {
@@ -177,6 +210,7 @@ pub fn inspect(dir: &Path, context: Option<usize>) -> Result<InspectReport, Mode
         context_tokens,
         sequence_bytes_for_context: kda_total + (latent_per_token + index_per_token) * context_tokens as u64,
         name_check,
+        vision_params,
     })
 }
 
@@ -262,6 +296,9 @@ impl std::fmt::Display for InspectReport {
         }
         writeln!(f, "one sequence of {} tokens: {}", self.context_tokens, bytes(self.sequence_bytes_for_context))?;
         writeln!(f, "weights + that sequence: {}", bytes(self.weight_bytes + self.sequence_bytes_for_context))?;
+        if self.vision_params > 0 {
+            writeln!(f, "vision tower + projector: {} parameters (BF16, replicated on every rank)", self.vision_params)?;
+        }
         if let Some(nc) = &self.name_check {
             writeln!(
                 f,
@@ -279,6 +316,12 @@ impl std::fmt::Display for InspectReport {
             }
             for n in nc.unused.iter().take(20) {
                 writeln!(f, "  unused:  {n}")?;
+            }
+            for n in nc.vision_missing.iter().take(20) {
+                writeln!(f, "  vision missing: {n}")?;
+            }
+            for n in nc.vision_unused.iter().take(20) {
+                writeln!(f, "  vision unused:  {n}")?;
             }
             for n in nc.other.iter().take(20) {
                 writeln!(f, "  other:   {n}")?;

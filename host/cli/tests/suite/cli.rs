@@ -37,6 +37,14 @@ fn inspect_release_config_and_index() {
     assert!(nc.missing.is_empty(), "missing: {:?}", &nc.missing[..nc.missing.len().min(5)]);
     assert!(nc.unused.is_empty(), "unused: {:?}", &nc.unused[..nc.unused.len().min(5)]);
     assert_eq!(nc.vision, 168);
+    assert!(
+        nc.vision_missing.is_empty() && nc.vision_unused.is_empty(),
+        "{:?} {:?}",
+        nc.vision_missing,
+        nc.vision_unused
+    );
+    // Spec B.2: tower 401,214,464 + projector 46,144,512.
+    assert_eq!(r.vision_params, 447_358_976);
     assert!(nc.other.is_empty());
     // Estimated bytes agree with the index's total (which also holds the vision tower) within 0.1%.
     assert!((r.weight_bytes as f64 / 1_560_860_324_864.0 - 1.0).abs() < 1e-3, "{}", r.weight_bytes);
