@@ -629,6 +629,22 @@ proptest! {
         let _ = kimi_xtml::render(body["messages"].as_array().expect("messages"), None, &Default::default());
         let t = templates();
         builtin_answered(&t.plugin.render(&t.env, &t.svc, &info(&body), &body.to_string()))?;
+        // The server's decoder: pixels or a named refusal, never a panic; what decodes goes
+        // through the release processor (the tiny limits keep it small).
+        let caps = kimi_host::server::images::ImageCaps { max_bytes: 1 << 16, max_pixels: 1 << 16 };
+        let cfg = kimi_host::model::vision::MediaProcConfig::parse(
+            &kimi_host::model::tiny::tiny_preprocessor_config().to_string(),
+        )
+        .expect("tiny preprocessor config");
+        for (i, u) in urls.iter().enumerate() {
+            match kimi_host::server::images::decode_data_uri(u, i, caps) {
+                Ok(img) => {
+                    let out = kimi_host::model::vision::preprocess(&img, &cfg);
+                    prop_assert!(out.input.tokens() > 0);
+                }
+                Err(e) => prop_assert!(e.status == 400 && !e.message.is_empty()),
+            }
+        }
     }
 }
 
