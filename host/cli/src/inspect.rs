@@ -297,7 +297,11 @@ impl std::fmt::Display for InspectReport {
         writeln!(f, "one sequence of {} tokens: {}", self.context_tokens, bytes(self.sequence_bytes_for_context))?;
         writeln!(f, "weights + that sequence: {}", bytes(self.weight_bytes + self.sequence_bytes_for_context))?;
         if self.vision_params > 0 {
-            writeln!(f, "vision tower + projector: {} parameters (BF16, replicated on every rank)", self.vision_params)?;
+            writeln!(
+                f,
+                "vision tower + projector: {} parameters (BF16, replicated on every rank)",
+                self.vision_params
+            )?;
         }
         if let Some(nc) = &self.name_check {
             writeln!(

@@ -97,6 +97,11 @@ fn target_step(
 /// `[P, W]` with column W − 1 the newest input; column 0 — the input W tokens back, which no
 /// later step reads and no state keeps — is NaN).
 fn record_kda(tr: &mut Trace, prefix: &str, model: &Model, get: &dyn Fn(usize) -> Option<KdaCopy>) {
+    if model.ranks().len() > 1 {
+        // Each rank holds its heads' part of a KDA state; the goldens' whole-state tensors are
+        // recorded at --tensor-parallel 1 only.
+        return;
+    }
     let c = model.text_config();
     let (h, k, p, w) = (c.kda.num_heads, c.kda.head_dim, c.kda_projection_dim(), c.kda.conv_kernel);
     for i in 0..c.num_layers {

@@ -295,11 +295,6 @@ impl DsparkDraft {
     /// is the architecture implemented here.
     pub fn load(dir: &Path, target: &Model) -> Result<DsparkDraft, ModelError> {
         let config = DsparkConfig::load(dir)?;
-        if target.ranks().len() != 1 {
-            return Err(ModelError::Parallel {
-                msg: "a DSpark draft runs with --tensor-parallel 1 for now (it shares the target's whole embedding and LM head)".into(),
-            });
-        }
         config.check_target(target.text_config())?;
         let ck = Checkpoint::open(dir)?;
         let mut draft = DsparkDraft::build(config, &mut CheckpointSource::new(&ck))?;

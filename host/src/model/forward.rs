@@ -321,30 +321,48 @@ impl Model {
         &self.ranks[0].scratch
     }
 
-    /// The whole model on one rank, or a named error: what a DSpark draft needs (it embeds its
-    /// block with the target's table and scores it with the target's LM head).
-    fn whole_rank(&self, what: &str) -> Result<&Rank, ModelError> {
-        match &self.ranks[..] {
-            [rank] => Ok(rank),
-            _ => Err(ModelError::Parallel {
-                msg: format!("{what} runs at --tensor-parallel 1 for now (this model has {} ranks)", self.ranks.len()),
-            }),
-        }
-    }
-
-    /// Rows of the target's embedding table, `[ids, d]` (the DSpark draft's block input).
+    /// Rows of the target's embedding table, `[ids, d]` (the DSpark draft's block input). Under
+    /// tensor parallelism each row comes from the rank holding that part of the vocabulary.
     pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
-        let rank = self.whole_rank("the DSpark draft")?;
         self.check(ids, 0)?;
-        let mut out = vec![0f32; ids.len() * self.config.text.hidden_size];
-        self.backend.embedding(&rank.embed.m(), ids, &mut out);
+        let d = self.config.text.hidden_size;
+        let mut out = vec![0f32; ids.len() * d];
+        for rank in &self.ranks {
+            let local: Vec<(usize, u32)> = ids
+                .iter()
+                .enumerate()
+                .filter(|(_, id)| rank.vocab.contains(&(**id as usize)))
+                .map(|(t, id)| (t, *id - rank.vocab.start as u32))
+                .collect();
+            if local.is_empty() {
+                continue;
+            }
+            let local_ids: Vec<u32> = local.iter().map(|(_, id)| *id).collect();
+            let mut rows = vec![0f32; local_ids.len() * d];
+            self.backend.embedding(&rank.embed.m(), &local_ids, &mut rows);
+            for ((t, _), row) in local.iter().zip(rows.chunks_exact(d)) {
+                out[t * d..(t + 1) * d].copy_from_slice(row);
+            }
+        }
         Ok(out)
     }
 
-    /// The target's LM head over `x` (`[rows, d]`), `[rows, V]` (the DSpark draft's base logits).
+    /// The target's LM head over `x` (`[rows, d]`), `[rows, V]` (the DSpark draft's base logits):
+    /// each rank's vocabulary part, side by side.
     pub fn lm_head(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        let rank = self.whole_rank("the DSpark draft")?;
-        Ok(rank.lm_head.matmul(&*self.backend, &rank.scratch, x, rows).to_vec())
+        if let [rank] = &self.ranks[..] {
+            return Ok(rank.lm_head.matmul(&*self.backend, &rank.scratch, x, rows).to_vec());
+        }
+        let v = self.config.text.vocab_size;
+        let mut out = vec![0f32; rows * v];
+        for rank in &self.ranks {
+            let part = rank.lm_head.matmul(&*self.backend, &rank.scratch, x, rows);
+            let w = rank.vocab.len();
+            for (r, row) in part.chunks_exact(w.max(1)).enumerate().take(rows) {
+                out[r * v + rank.vocab.start..][..w].copy_from_slice(row);
+            }
+        }
+        Ok(out)
     }
 
     /// The latent-page arena of states made by [`Model::new_state`] (a DSpark draft keeps its

@@ -68,6 +68,43 @@ fn speculate_reproduces_the_dspark_tiny_goldens() {
     eprintln!("dspark-tiny worst |Δ| by class: {worst:?}");
 }
 
+/// The same case with the target on two tensor-parallel ranks (the draft shares its embedding
+/// and LM head, split by vocabulary): every tensor within the case's tolerances, accept lengths
+/// and draft tokens exact (KDA states are each rank's heads, so their whole-state tensors are
+/// checked at TP 1 only).
+#[test]
+fn speculate_reproduces_the_dspark_tiny_goldens_at_tp2() {
+    let g = Golden::open("dspark-tiny");
+    let target = Model::load_with(&common::golden_dir().join("k3-tiny"), kimi_host::model::Parallelism::tensor(2))
+        .expect("target on 2 ranks");
+    let draft = DsparkDraft::load(&g.dir, &target).expect("draft loads at TP 2");
+    let tr = kimi_host_cli::speculate::run_case(&target, &draft, &g.dir).expect("the case runs");
+    let mut checked = 0;
+    for name in g.names() {
+        if name.contains("recurrent_state") || name.contains("conv_state") {
+            continue;
+        }
+        checked += 1;
+        match tolerance(&g, &name) {
+            None => {
+                assert_eq!(tr.get_i64(&name).unwrap_or_else(|| panic!("{name}")), g.i64(&name).as_slice(), "{name}")
+            }
+            Some((_, tol)) => {
+                let got = tr.get_f32(&name).unwrap_or_else(|| panic!("{name}"));
+                let want = g.f32(&name);
+                let d = got
+                    .iter()
+                    .zip(&want)
+                    .filter(|(a, b)| !a.is_nan() && !b.is_nan())
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(d <= tol, "{name}: max |Δ| {d} > {tol}");
+            }
+        }
+    }
+    assert!(checked > 40, "{checked} tensors checked");
+}
+
 /// Drafts that the target rejects leave nothing behind: after a verify of 5 tokens keeping k,
 /// the state is bit for bit the one of a run that fed only those k tokens (KDA state and
 /// windows, latent rows), every snapshot slot and page of the rejected tokens is back in its

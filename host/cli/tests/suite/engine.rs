@@ -556,3 +556,37 @@ fn images_in_chunked_prefill_match_the_vision_goldens() {
     assert_eq!(e.stats.vision_items.load(Relaxed), 10, "each request's five images ran through the tower");
     assert!(e.stats.vision_calls.load(Relaxed) >= 1);
 }
+
+/// The draft under tensor parallelism: a target spread over two ranks (its embedding and LM
+/// head split by vocabulary, which the draft shares) speculates and emits exactly the tokens its
+/// own plain decoding emits, greedy and sampled, with drafts accepted.
+#[test]
+fn speculative_decoding_under_tensor_parallelism() {
+    use kimi_host::engine::Speculation;
+    use kimi_host::model::Parallelism;
+    use kimi_host::model::dspark::DsparkDraft;
+    use std::sync::atomic::Ordering::Relaxed;
+    let golden = crate::common::golden_dir();
+    let model = Arc::new(Model::load_with(&golden.join("k3-tiny"), Parallelism::tensor(2)).expect("target on 2 ranks"));
+    let f = fixture_with(tempfile::tempdir().expect("tempdir"), model.clone());
+    let draft = Arc::new(DsparkDraft::load(&golden.join("dspark-tiny"), &model).expect("draft at TP 2"));
+    let base = EngineConfig { max_batched_tokens: 24, max_seqs: 8, state_memory: 64 << 20, ..Default::default() };
+    let plain = Engine::start(model.clone(), base.clone()).expect("plain engine");
+    let spec_cfg = EngineConfig { speculation: Some(Speculation { draft, tokens: 4 }), ..base };
+    let spec = Engine::start(model.clone(), spec_cfg).expect("speculative engine");
+    let case = crate::common::Golden::open("dspark-tiny");
+    for (prompt, n, params) in [
+        (case.ids("prompt.input_ids"), 1, r#"{"temperature": 0}"#),
+        (prompts()[2].clone(), 2, r#"{"temperature": 1.0, "top_p": 0.9}"#),
+    ] {
+        let run = |e: &Engine| {
+            let mut h = e.submit(request(&f, prompt.clone(), 16, n, params)).expect("submit");
+            drain(&mut h, n).expect("generates")
+        };
+        assert_eq!(run(&spec), run(&plain), "{params}");
+    }
+    assert!(spec.stats.spec_accepted.load(Relaxed) > 0, "drafts were accepted at TP 2");
+    wait_idle(&spec);
+    spec.shutdown(Duration::from_secs(5));
+    plain.shutdown(Duration::from_secs(5));
+}
