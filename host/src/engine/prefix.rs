@@ -19,6 +19,7 @@ use sha2::{Digest, Sha256};
 
 use super::pool::{PAGE_TOKENS, Reservation, StatePool};
 use crate::model::SequenceState;
+use crate::model::dspark::DraftCache;
 
 /// Tokens per cache block: four latent pages. The block only sets the hashing grain and where
 /// prefill chunks may stop; KDA snapshots are taken at chunk ends that fall on a block.
@@ -28,6 +29,8 @@ type Key = [u8; 32];
 
 struct Node {
     state: SequenceState,
+    /// The draft's context rows for the same tokens (with speculative decoding).
+    draft: Option<DraftCache>,
     reservation: Reservation,
     last_used: u64,
 }
@@ -35,6 +38,8 @@ struct Node {
 /// What a lookup found: a fork of the cached state and the prompt tokens it already holds.
 pub struct Hit {
     pub state: SequenceState,
+    /// The draft's context rows for those tokens (pages shared), when one was stored.
+    pub draft: Option<DraftCache>,
     pub tokens: usize,
 }
 
@@ -97,10 +102,11 @@ impl PrefixCache {
         let node = self.nodes.get_mut(key)?;
         node.last_used = self.tick;
         let state = node.state.fork().ok()?;
+        let draft = node.draft.clone();
         let tokens = (i + 1) * BLOCK_TOKENS;
         self.stats.hits += 1;
         self.stats.hit_tokens += tokens as u64;
-        Some(Hit { state, tokens })
+        Some(Hit { state, draft, tokens })
     }
 
     /// Where a caching request's prefill should stop once to store a state: the deepest block
@@ -126,10 +132,22 @@ impl PrefixCache {
 
     /// Caches `state`, which holds the first `state.len` tokens of `prompt` (a block boundary),
     /// under `salt`, reserving its slot and new pages in `pool` (evicting older entries if that
-    /// is what it takes). Does nothing if the prefix is cached already or does not fit.
-    pub fn insert(&mut self, pool: &mut StatePool, salt: &str, prompt: &[u32], state: &SequenceState) {
+    /// is what it takes). With speculative decoding, `draft` holds the draft's context rows for the
+    /// same tokens (shared by reference count; the pool's page size counts draft rows). Does
+    /// nothing if the prefix is cached already or does not fit.
+    pub fn insert(
+        &mut self,
+        pool: &mut StatePool,
+        salt: &str,
+        prompt: &[u32],
+        state: &SequenceState,
+        draft: Option<&DraftCache>,
+    ) {
         let len = state.len;
         if len == 0 || !len.is_multiple_of(BLOCK_TOKENS) || len > prompt.len() {
+            return;
+        }
+        if draft.is_some_and(|d| d.len() != len) {
             return;
         }
         let keys = block_keys(salt, &prompt[..len]);
@@ -151,7 +169,8 @@ impl PrefixCache {
         }
         match state.fork() {
             Ok(copy) => {
-                self.nodes.insert(key, Node { state: copy, reservation, last_used: self.tick });
+                let draft = draft.cloned();
+                self.nodes.insert(key, Node { state: copy, draft, reservation, last_used: self.tick });
                 self.stats.inserted += 1;
                 self.stats.bytes += pool.bytes_of(reservation);
             }

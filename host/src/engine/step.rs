@@ -370,6 +370,9 @@ impl Worker {
             (Some(pc), Some(salt)) => pc.lookup(salt, &req.prompt),
             _ => None,
         };
+        // With a draft, a hit carries its context rows too (entries are stored with them).
+        let mut hit = hit.filter(|h| self.config.speculation.is_none() || h.draft.is_some());
+        let hit_draft = hit.as_mut().and_then(|h| h.draft.take());
         let cached = hit.as_ref().map_or(0, |h| h.tokens);
         let split = match (self.prefix.as_mut(), &req.cache_salt) {
             (Some(pc), Some(salt)) => pc.split_point(salt, &req.prompt, cached),
@@ -397,7 +400,7 @@ impl Worker {
         };
         // Sequence 0 reads the prompt's aux rows into its draft context; forks share its pages.
         let mut spec0 = match &self.config.speculation {
-            Some(sp) => match sp.draft.new_cache(&self.arenas.pages) {
+            Some(sp) => match hit_draft.map_or_else(|| sp.draft.new_cache(&self.arenas.pages), Ok) {
                 Ok(cache) => {
                     Some(SpecSeq { cache, pending: Vec::new(), ids: Vec::new(), aux: Vec::new(), generated_before: 0 })
                 }
@@ -602,7 +605,28 @@ impl Worker {
                                 && r.in_prefill()
                                 && r.prefilled.is_multiple_of(BLOCK_TOKENS)
                             {
-                                pc.insert(&mut self.pool, salt, &r.req.prompt, &r.seqs[0].state);
+                                // With a draft, its context rows catch up with the prompt first, so
+                                // the entry carries both sides of the same tokens.
+                                let Seq { state, spec, .. } = &mut r.seqs[0];
+                                let draft = match (&speculation, spec.as_mut()) {
+                                    (Some(sp), Some(spec)) => {
+                                        let SpecSeq { cache, pending, .. } = spec;
+                                        match contain(|| sp.draft.extend_contexts(&model, &mut [cache], &[pending])) {
+                                            Ok(_) => {
+                                                pending.clear();
+                                                Some(&spec.cache)
+                                            }
+                                            Err(e) => {
+                                                failures.push((entry.run, None, e));
+                                                None
+                                            }
+                                        }
+                                    }
+                                    _ => None,
+                                };
+                                if speculation.is_none() || draft.is_some() {
+                                    pc.insert(&mut self.pool, salt, &r.req.prompt, state, draft);
+                                }
                             }
                             if !r.in_prefill() {
                                 // Forks take a KDA slot each (the pool reserved them at admission)

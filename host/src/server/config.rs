@@ -453,11 +453,6 @@ impl ServeConfig {
                 "num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, not {t}"
             )));
         }
-        if self.engine.prefix_cache && self.draft.is_some() {
-            return Err(ConfigError::Invalid(
-                "engine.prefix_cache and a draft together are not supported yet: a cached prefix does not carry the draft's context rows".into(),
-            ));
-        }
         if self.num_speculative_tokens.is_some() && self.draft.is_none() {
             return Err(ConfigError::Invalid("num_speculative_tokens needs a draft (draft = \"<dir>\")".into()));
         }

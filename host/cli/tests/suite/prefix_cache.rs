@@ -244,3 +244,73 @@ fn cached_prefixes_are_evicted_before_a_request_waits() {
     });
     engine.shutdown(Duration::from_secs(5));
 }
+
+/// With a DSpark draft: a cached entry carries the draft's context rows for its tokens, so a hit
+/// speculates from them at once. Every request emits the tokens a plain engine (no cache, no
+/// draft) emits, hits are found, drafts are accepted, and all state goes back afterwards.
+#[test]
+fn cached_prefixes_with_a_draft_give_the_plain_tokens() {
+    use kimi_host::engine::Speculation;
+    use kimi_host::model::dspark::DsparkDraft;
+    let g = common::golden_dir();
+    let model = Arc::new(Model::load(&g.join("k3-tiny")).expect("target"));
+    let v = model.text_config().vocab_size;
+    let s = sampler(v);
+    let draft = Arc::new(DsparkDraft::load(&g.join("dspark-tiny"), &model).expect("draft"));
+    let base = EngineConfig { max_batched_tokens: 512, max_seqs: 16, state_memory: 64 << 20, ..Default::default() };
+    let plain = Engine::start(model.clone(), base.clone()).expect("plain");
+    let cfg = EngineConfig { prefix_cache: true, speculation: Some(Speculation { draft, tokens: 3 }), ..base };
+    let engine = Engine::start(model.clone(), cfg).expect("engine");
+    let shared = ids(1, 150, v);
+    let with = |tail: u32| -> Vec<u32> { shared.iter().copied().chain(ids(tail, 9, v)).collect() };
+    for (k, tail) in [2u32, 3, 4, 5].into_iter().enumerate() {
+        let n = if k == 2 { 2 } else { 1 };
+        let mut req = request(&s, with(tail), n, Some("a"));
+        req.max_tokens = 12;
+        let (got, cached) = drain(engine.submit(req).expect("submit"), n).expect("runs");
+        assert_eq!(cached, if k == 0 { 0 } else { 2 * BLOCK_TOKENS }, "request {k}");
+        let mut req = request(&s, with(tail), 1, None);
+        req.max_tokens = 12;
+        let (mut want, _) = drain(plain.submit(req).expect("submit"), 1).expect("runs");
+        assert_same(&got, &want.remove(0), 1e-4, &format!("request {k}"));
+    }
+    assert!(engine.stats.prefix_hits.load(Relaxed) >= 3);
+    assert!(engine.stats.spec_rounds.load(Relaxed) > 0, "the hits speculated");
+    // The draft read the same context from a hit as from a full prefill: the same drafts are
+    // proposed and accepted for the same request (tokens alone could not show it: sample-and-
+    // match emits the plain tokens whatever the draft proposes).
+    let nocache = Engine::start(model.clone(), EngineConfig { prefix_cache: false, ..engine.config.clone() })
+        .expect("engine without the cache");
+    let accepted = |e: &Engine, salt: Option<&str>, tail: u32| {
+        let before = (e.stats.spec_proposed.load(Relaxed), e.stats.spec_accepted.load(Relaxed));
+        let mut req = request(&s, with(tail), 1, salt);
+        req.max_tokens = 24;
+        let (_, cached) = drain(e.submit(req).expect("submit"), 1).expect("runs");
+        (cached, e.stats.spec_proposed.load(Relaxed) - before.0, e.stats.spec_accepted.load(Relaxed) - before.1)
+    };
+    // Tails whose drafts the target accepts from scratch (a random draft rarely agrees).
+    let mut compared = 0;
+    for tail in 20..60 {
+        let from_scratch = accepted(&nocache, None, tail);
+        if from_scratch.2 == 0 {
+            continue;
+        }
+        let hit = accepted(&engine, Some("a"), tail);
+        assert_eq!(hit.0, 2 * BLOCK_TOKENS);
+        assert_eq!((hit.1, hit.2), (from_scratch.1, from_scratch.2), "tail {tail}: drafts proposed and accepted");
+        compared += 1;
+        if compared == 3 {
+            break;
+        }
+    }
+    assert!(compared > 0, "no tail had an accepted draft");
+    nocache.shutdown(Duration::from_secs(5));
+    engine.clear_prefix_cache();
+    wait_for("the state to go back", || {
+        engine.stats.used_slots.load(Relaxed) == 0
+            && engine.stats.leased_pages.load(Relaxed) == 0
+            && engine.stats.prefix_entries.load(Relaxed) == 0
+    });
+    engine.shutdown(Duration::from_secs(5));
+    plain.shutdown(Duration::from_secs(5));
+}
