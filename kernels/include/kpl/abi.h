@@ -38,6 +38,37 @@ typedef struct {
     uint32_t has_linear_beta;
 } KplSituParams;
 
+// kpl_silu_glu_f32: gate[i] ← SiLU(gate[i]) · up[i] (SwiGLU), grid-stride.
+typedef struct {
+    float* gate;
+    const float* up;
+    uint32_t n;
+    uint32_t pad_;
+} KplGluParams;
+
+// kpl_gelu_f32: x[i] ← GELU(x[i]), the tanh approximation (erf = 0) or the exact erf form
+// (erf = 1), grid-stride.
+typedef struct {
+    float* x;
+    uint32_t n;
+    uint32_t erf;
+} KplGeluParams;
+
+// kpl_rope_table_f32: rotary embedding from per-row tables: x is [rows, heads, head_stride]; in
+// each head, lanes offset + 2i and offset + 2i + 1 turn by the angle whose cosine and sine are
+// cos[t, i], sin[t, i] ([rows, pairs]); grid-stride over rows · heads · pairs.
+typedef struct {
+    float* x;
+    const float* cos;
+    const float* sin;
+    uint32_t rows;
+    uint32_t heads;
+    uint32_t head_stride;
+    uint32_t offset;
+    uint32_t pairs;
+    uint32_t pad_;
+} KplRopeTableParams;
+
 // kpl_embedding_bf16: out[t, :] = table[ids[t], :] widened to f32, grid-stride over t · cols.
 typedef struct {
     const uint16_t* table;

@@ -189,6 +189,15 @@ KPL_DEVICE float tanh(float x) {
     return x < 0.0f ? -t : t;
 }
 
+// erf by Abramowitz & Stegun 7.1.26 (|error| ≤ 1.5e-7): no device math library is linked.
+KPL_DEVICE float erf(float x) {
+    float a = x < 0.0f ? -x : x;
+    float t = 1.0f / (1.0f + 0.3275911f * a);
+    float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+    float y = 1.0f - poly * exp(-a * a);
+    return x < 0.0f ? -y : y;
+}
+
 // ---- storage types --------------------------------------------------------------------------
 KPL_DEVICE float bf16_to_f32(uint16_t b) { return __builtin_bit_cast(float, (uint32_t)b << 16); }
 

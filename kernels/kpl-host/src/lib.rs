@@ -6,8 +6,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, KdaConvParams, KdaDecodeParams, MoeRouteParams, RmsnormParams,
-    SituParams,
+    AttnResParams, EmbeddingParams, GatedRmsnormParams, GeluParams, GluParams, KdaConvParams, KdaDecodeParams,
+    MoeRouteParams, RmsnormParams, RopeTableParams, SituParams,
 };
 
 unsafe extern "C" {
@@ -19,6 +19,12 @@ unsafe extern "C" {
     fn kpl_cpu_launch_kpl_attn_res_mix_f32(grid: u32, block: u32, wave: u32, p: *const AttnResParams);
     fn kpl_cpu_launch_kpl_moe_route_f32(grid: u32, block: u32, wave: u32, p: *const MoeRouteParams);
     fn kpl_cpu_launch_kpl_kda_conv_f32(grid: u32, block: u32, wave: u32, p: *const KdaConvParams);
+    fn kpl_cpu_launch_kpl_silu_glu_f32(grid: u32, block: u32, wave: u32, p: *const GluParams);
+    fn kpl_cpu_launch_kpl_gelu_f32(grid: u32, block: u32, wave: u32, p: *const GeluParams);
+    fn kpl_cpu_launch_kpl_rope_table_f32(grid: u32, block: u32, wave: u32, p: *const RopeTableParams);
+    pub fn kpl_abi_size_kpl_silu_glu_f32() -> std::ffi::c_ulong;
+    pub fn kpl_abi_size_kpl_gelu_f32() -> std::ffi::c_ulong;
+    pub fn kpl_abi_size_kpl_rope_table_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_kda_conv_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_moe_route_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_attn_res_mix_f32() -> std::ffi::c_ulong;
@@ -85,6 +91,9 @@ launcher!(kda_decode_f32, kpl_cpu_launch_kpl_kda_decode_f32, KdaDecodeParams, "`
 launcher!(attn_res_mix_f32, kpl_cpu_launch_kpl_attn_res_mix_f32, AttnResParams, "`kpl_attn_res_mix_f32` on the host.");
 launcher!(moe_route_f32, kpl_cpu_launch_kpl_moe_route_f32, MoeRouteParams, "`kpl_moe_route_f32` on the host.");
 launcher!(kda_conv_f32, kpl_cpu_launch_kpl_kda_conv_f32, KdaConvParams, "`kpl_kda_conv_f32` on the host.");
+launcher!(silu_glu_f32, kpl_cpu_launch_kpl_silu_glu_f32, GluParams, "`kpl_silu_glu_f32` on the host.");
+launcher!(gelu_f32, kpl_cpu_launch_kpl_gelu_f32, GeluParams, "`kpl_gelu_f32` on the host.");
+launcher!(rope_table_f32, kpl_cpu_launch_kpl_rope_table_f32, RopeTableParams, "`kpl_rope_table_f32` on the host.");
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {
@@ -102,6 +111,35 @@ pub struct KplHostBackend {
 impl KplHostBackend {
     pub fn new(wave: u32) -> KplHostBackend {
         KplHostBackend { wave, cpu: kimi_kernels::CpuBackend }
+    }
+
+    /// `kpl_rope_table_f32` over `x` (`[rows, heads, head_stride]`) with tables `[rows, pairs]`.
+    fn rope_table(&self, x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize, offset: usize) {
+        let row = heads * head_stride;
+        let rows = x.len() / row.max(1);
+        let pairs = cos.len() / rows.max(1);
+        assert!(
+            x.len() == rows * row
+                && cos.len() == rows * pairs
+                && sin.len() == cos.len()
+                && offset + 2 * pairs <= head_stride,
+            "rope: shapes"
+        );
+        let p = RopeTableParams {
+            x: addr(x.as_mut_ptr()),
+            cos: addr(cos.as_ptr()),
+            sin: addr(sin.as_ptr()),
+            rows: rows as u32,
+            heads: heads as u32,
+            head_stride: head_stride as u32,
+            offset: offset as u32,
+            pairs: pairs as u32,
+            pad_: 0,
+        };
+        let l = Launch { grid: self.stride_grid(rows * heads * pairs), block: self.wave, wave: self.wave };
+        // SAFETY: x holds rows × heads × head_stride values and every turned lane lies inside its
+        // head; cos and sin hold rows × pairs (checked); all outlive the launch.
+        unsafe { rope_table_f32(l, p) }
     }
 
     /// Blocks for a grid-stride kernel over `n` values: enough to cover them, at most 8.
@@ -175,7 +213,11 @@ impl Backend for KplHostBackend {
     }
 
     fn silu_glu(&self, gate: &mut [f32], up: &[f32]) {
-        self.cpu.silu_glu(gate, up)
+        assert_eq!(gate.len(), up.len(), "silu_glu: shapes");
+        let p = GluParams { gate: addr(gate.as_mut_ptr()), up: addr(up.as_ptr()), n: gate.len() as u32, pad_: 0 };
+        let l = Launch { grid: self.stride_grid(gate.len()), block: self.wave, wave: self.wave };
+        // SAFETY: gate and up hold n values (checked) and outlive the launch.
+        unsafe { silu_glu_f32(l, p) }
     }
 
     fn rope_interleaved(
@@ -188,15 +230,31 @@ impl Backend for KplHostBackend {
         inv_freq: &[f32],
         magnitude: f32,
     ) {
-        self.cpu.rope_interleaved(x, positions, heads, head_stride, offset, inv_freq, magnitude)
+        // The angles' tables on the host (the device has no math library; a GPU backend builds
+        // them once per step the same way), the rotation in the kernel.
+        let pairs = inv_freq.len();
+        let (mut cos, mut sin) =
+            (Vec::with_capacity(positions.len() * pairs), Vec::with_capacity(positions.len() * pairs));
+        for &pos in positions {
+            for &f in inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos() * magnitude);
+                sin.push(angle.sin() * magnitude);
+            }
+        }
+        self.rope_table(x, &cos, &sin, heads, head_stride, offset)
     }
 
     fn rope_cos_sin(&self, x: &mut [f32], cos: &[f32], sin: &[f32], heads: usize, head_stride: usize) {
-        self.cpu.rope_cos_sin(x, cos, sin, heads, head_stride)
+        self.rope_table(x, cos, sin, heads, head_stride, 0)
     }
 
     fn gelu(&self, x: &mut [f32], kind: kimi_kernels::Gelu) {
-        self.cpu.gelu(x, kind)
+        let p =
+            GeluParams { x: addr(x.as_mut_ptr()), n: x.len() as u32, erf: (kind == kimi_kernels::Gelu::Erf) as u32 };
+        let l = Launch { grid: self.stride_grid(x.len()), block: self.wave, wave: self.wave };
+        // SAFETY: x holds n values and outlives the launch.
+        unsafe { gelu_f32(l, p) }
     }
 
     fn attention_varlen(

@@ -41,6 +41,9 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_attn_res_mix_f32", size_of::<AttnResParams>()),
         ("kpl_moe_route_f32", size_of::<MoeRouteParams>()),
         ("kpl_kda_conv_f32", size_of::<KdaConvParams>()),
+        ("kpl_silu_glu_f32", size_of::<kimi_kernels::gpu::abi::GluParams>()),
+        ("kpl_gelu_f32", size_of::<kimi_kernels::gpu::abi::GeluParams>()),
+        ("kpl_rope_table_f32", size_of::<kimi_kernels::gpu::abi::RopeTableParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

@@ -40,6 +40,18 @@ fn parameter_structs_match_abi_h() {
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_attn_res_mix_f32() as usize, size_of::<AttnResParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_moe_route_f32() as usize, size_of::<MoeRouteParams>());
         assert_eq!(kimi_kpl_host::kpl_abi_size_kpl_kda_conv_f32() as usize, size_of::<KdaConvParams>());
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_silu_glu_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::GluParams>()
+        );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_gelu_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::GeluParams>()
+        );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_rope_table_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::RopeTableParams>()
+        );
     }
 }
 
@@ -268,5 +280,48 @@ fn kda_conv_continues_each_sequence_like_the_cpu_backend() {
         for (g, w) in got_frames.iter().zip(&want_frames) {
             assert_eq!(g, w, "kda conv windows, wave {wave}: raw inputs, exact");
         }
+    }
+}
+
+/// SwiGLU, GELU (both forms) and the table-driven RoPE (whole heads, and the interleaved rope
+/// lanes of the DSpark draft with host-built tables), through `KplHostBackend`, against the CPU
+/// backend at both waves.
+#[test]
+fn glu_gelu_and_rope_match_the_cpu_backend() {
+    use kimi_kernels::Gelu;
+    use kimi_kpl_host::KplHostBackend;
+    let mut rng = StdRng::seed_from_u64(11);
+    for wave in WAVES {
+        let kb = KplHostBackend::new(wave);
+        let n = 1001;
+        let (gate, up) = (randn(&mut rng, n, 8.0), randn(&mut rng, n, 3.0));
+        let (mut got, mut want) = (gate.clone(), gate.clone());
+        kb.silu_glu(&mut got, &up);
+        CpuBackend.silu_glu(&mut want, &up);
+        close(&got, &want, 1e-5, &format!("silu_glu wave {wave}"));
+        for kind in [Gelu::Tanh, Gelu::Erf] {
+            let (mut got, mut want) = (gate.clone(), gate.clone());
+            kb.gelu(&mut got, kind);
+            CpuBackend.gelu(&mut want, kind);
+            close(&got, &want, 2e-6, &format!("gelu {kind:?} wave {wave}"));
+        }
+        // 2-D RoPE tables over whole heads: 7 rows, 3 heads of 24 lanes.
+        let (rows, heads, hd) = (7, 3, 24);
+        let x = randn(&mut rng, rows * heads * hd, 2.0);
+        let angles = randn(&mut rng, rows * hd / 2, 50.0);
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        let (mut got, mut want) = (x.clone(), x.clone());
+        kb.rope_cos_sin(&mut got, &cos, &sin, heads, hd);
+        CpuBackend.rope_cos_sin(&mut want, &cos, &sin, heads, hd);
+        close(&got, &want, 1e-6, &format!("rope_cos_sin wave {wave}"));
+        // Interleaved rope lanes 8..16 of heads of 20, positions far apart, a YaRN magnitude.
+        let positions = [0usize, 5, 4095, 77];
+        let inv_freq = [1.0f32, 0.1, 0.01, 0.001];
+        let x = randn(&mut rng, positions.len() * 2 * 20, 2.0);
+        let (mut got, mut want) = (x.clone(), x.clone());
+        kb.rope_interleaved(&mut got, &positions, 2, 20, 8, &inv_freq, 1.07);
+        CpuBackend.rope_interleaved(&mut want, &positions, 2, 20, 8, &inv_freq, 1.07);
+        close(&got, &want, 1e-6, &format!("rope_interleaved wave {wave}"));
     }
 }

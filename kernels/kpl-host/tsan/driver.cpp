@@ -17,6 +17,9 @@ void kpl_cpu_launch_kpl_kda_decode_f32(unsigned, unsigned, unsigned, const KplKd
 void kpl_cpu_launch_kpl_attn_res_mix_f32(unsigned, unsigned, unsigned, const KplAttnResParams*);
 void kpl_cpu_launch_kpl_moe_route_f32(unsigned, unsigned, unsigned, const KplMoeRouteParams*);
 void kpl_cpu_launch_kpl_kda_conv_f32(unsigned, unsigned, unsigned, const KplKdaConvParams*);
+void kpl_cpu_launch_kpl_silu_glu_f32(unsigned, unsigned, unsigned, const KplGluParams*);
+void kpl_cpu_launch_kpl_gelu_f32(unsigned, unsigned, unsigned, const KplGeluParams*);
+void kpl_cpu_launch_kpl_rope_table_f32(unsigned, unsigned, unsigned, const KplRopeTableParams*);
 }
 
 int main() {
@@ -56,6 +59,13 @@ int main() {
         float* windows[2] = {f0.data(), f1.data()};
         KplKdaConvParams cp{x.data(), taps.data(), starts, lens, windows, 2, 200, 4, 0};
         kpl_cpu_launch_kpl_kda_conv_f32(2 * ((200 + wave - 1) / wave), wave, wave, &cp);
+        KplGluParams glp{gate.data(), x.data(), rows * cols, 0};
+        kpl_cpu_launch_kpl_silu_glu_f32(2, wave, wave, &glp);
+        KplGeluParams gep{gate.data(), rows * cols, 1};
+        kpl_cpu_launch_kpl_gelu_f32(2, wave, wave, &gep);
+        // x as [3 rows, 5 heads, 40 lanes], 20 pairs per row from gate's values as cos / sin.
+        KplRopeTableParams rtp{x.data(), gate.data(), w.data(), rows, 5, 40, 0, 20, 0};
+        kpl_cpu_launch_kpl_rope_table_f32(2, wave, wave, &rtp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

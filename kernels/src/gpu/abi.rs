@@ -41,6 +41,40 @@ pub struct SituParams {
     pub has_linear_beta: u32,
 }
 
+/// `kpl_silu_glu_f32`: grid-stride over `n` values, in place over `gate`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GluParams {
+    pub gate: u64,
+    pub up: u64,
+    pub n: u32,
+    pub pad_: u32,
+}
+
+/// `kpl_gelu_f32`: grid-stride over `n` values in place; `erf` 1 for the exact form.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GeluParams {
+    pub x: u64,
+    pub n: u32,
+    pub erf: u32,
+}
+
+/// `kpl_rope_table_f32`: grid-stride over `rows · heads · pairs` lane pairs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RopeTableParams {
+    pub x: u64,
+    pub cos: u64,
+    pub sin: u64,
+    pub rows: u32,
+    pub heads: u32,
+    pub head_stride: u32,
+    pub offset: u32,
+    pub pairs: u32,
+    pub pad_: u32,
+}
+
 /// `kpl_embedding_bf16`: grid-stride over `tokens · cols` values.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

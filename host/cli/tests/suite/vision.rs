@@ -142,3 +142,41 @@ fn release_preprocessing_matches_vision_preproc_on_all_sizes() {
         assert_eq!(sha256_hex(&f32le), r["pixel_values_f32le_sha256"], "{what}: pixel values");
     }
 }
+
+/// The tower and projector on `KplHostBackend` (the GPU kernels run on the host: GELU in both
+/// forms and the table-driven RoPE, the rest the CPU backend's) at both wave sizes: the golden's
+/// projector rows within its tolerance.
+#[test]
+fn vision_tower_on_the_gpu_kernels_matches_the_goldens() {
+    use kimi_kpl_host::KplHostBackend;
+    let (g, _text, vm) = vision_tiny();
+    let tol = g.case["suggested_tolerance"]["tower_and_projector_max_abs"].as_f64().expect("tolerance") as f32;
+    let mut items = Vec::new();
+    for it in g.case["items"].as_array().expect("items") {
+        let name = it["name"].as_str().expect("name");
+        let key = |s: &str| format!("input.{name}.{s}");
+        let image = |key: String, ch: usize| {
+            let s = g.shape(&key);
+            Image { width: s[1], height: s[0], channels: ch, data: g.u8(&key) }
+        };
+        let input = if g.has(&key("rgb")) {
+            vm.preprocess(&image(key("rgb"), 3)).input
+        } else if g.has(&key("rgba")) {
+            vm.preprocess(&image(key("rgba"), 4)).input
+        } else {
+            let frames: Vec<_> = (0..)
+                .map_while(|k| {
+                    let f = format!("input.{name}.frame{k}.rgb");
+                    g.has(&f).then(|| vm.preprocess(&image(f, 3)).input)
+                })
+                .collect();
+            kimi_host::model::vision::VisionInput::clip(&frames).expect("clip")
+        };
+        items.push(input);
+    }
+    for wave in [32, 64] {
+        let out = vm.encode(&KplHostBackend::new(wave), &items, None).expect("encodes");
+        let d = max_abs_diff(&out, &g.f32("projector.out"));
+        assert!(d <= tol, "wave {wave}: projector.out differs by {d}");
+    }
+}
