@@ -218,25 +218,23 @@ fn pick<'a>(tenant: &'a Tenant, chosen: &'a Option<String>, default: &'a str) ->
         .ok_or_else(|| ApiError::param("plugins", format!("this tenant has no plugin named `{name}`")))
 }
 
-/// Thinking-related fields of a chat body, for the parser and grammar plugins.
-/// SHA-256 (hex) over the request's image parts, in order, or "" without images: images render
+/// SHA-256 (hex) over the request's image URLs, in order, or "" without images: images render
 /// to placeholder ids, so the prefix cache's key must carry their content.
 fn image_digest(obj: &Map<String, Value>) -> String {
     use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    let mut any = false;
-    for m in obj.get("messages").and_then(Value::as_array).into_iter().flatten() {
-        for part in m.get("content").and_then(Value::as_array).into_iter().flatten() {
-            if let Some(img) = part.get("image_url") {
-                h.update(img.to_string().as_bytes());
-                h.update([0]);
-                any = true;
-            }
-        }
+    let urls = super::images::image_urls(obj);
+    if urls.is_empty() {
+        return String::new();
     }
-    if any { h.finalize().iter().map(|b| format!("{b:02x}")).collect() } else { String::new() }
+    let mut h = Sha256::new();
+    for url in urls {
+        h.update(url.unwrap_or("").as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Thinking-related fields of a chat body, for the parser and grammar plugins.
 fn thinking_fields(obj: &Map<String, Value>) -> Value {
     let mut t = Map::new();
     for k in ["thinking", "reasoning_effort", "chat_template_kwargs"] {

@@ -497,22 +497,14 @@ fn speculative_sampling_follows_the_exact_distribution() {
 #[test]
 fn images_in_chunked_prefill_match_the_vision_goldens() {
     use kimi_host::engine::MediaPrompt;
-    use kimi_host::model::vision::{Image, VisionModel};
+    use kimi_host::model::vision::VisionModel;
     let g = crate::common::Golden::open("vision-tiny");
     let model = Arc::new(Model::load(&g.dir).expect("the vision case's text model loads"));
     let vc = model.config.vision_config.clone().expect("vision_config");
     let vision = Arc::new(VisionModel::load(&g.dir, &vc, model.backend()).expect("tower"));
     let items: Vec<_> = ["img0", "img1", "img2", "img3", "img4"]
         .iter()
-        .map(|name| {
-            let (key, ch) = if g.has(&format!("input.{name}.rgb")) {
-                (format!("input.{name}.rgb"), 3)
-            } else {
-                (format!("input.{name}.rgba"), 4)
-            };
-            let s = g.shape(&key);
-            vision.preprocess(&Image { width: s[1], height: s[0], channels: ch, data: g.u8(&key) }).input
-        })
+        .map(|name| vision.preprocess(&g.image(&format!("input.{name}")).expect("image")).input)
         .collect();
     let prompt = g.ids("e2e.expanded_input_ids");
     let pad = model.config.media_placeholder_token_id.expect("pad id");

@@ -70,10 +70,7 @@ fn tower_items_are_isolated_in_a_packed_call() {
     let be = kimi_kernels::CpuBackend;
     let mut items = Vec::new();
     for name in ["img0", "img1", "img3"] {
-        let (suffix, ch) = if g.has(&format!("input.{name}.rgb")) { ("rgb", 3) } else { ("rgba", 4) };
-        let key = format!("input.{name}.{suffix}");
-        let s = g.shape(&key);
-        items.push(vm.preprocess(&Image { width: s[1], height: s[0], channels: ch, data: g.u8(&key) }).input);
+        items.push(vm.preprocess(&g.image(&format!("input.{name}")).expect("image")).input);
     }
     let d = vm.config.text_hidden_size;
     let packed = vm.encode(&be, &items, None).expect("packed");
@@ -154,23 +151,16 @@ fn vision_tower_on_the_gpu_kernels_matches_the_goldens() {
     let mut items = Vec::new();
     for it in g.case["items"].as_array().expect("items") {
         let name = it["name"].as_str().expect("name");
-        let key = |s: &str| format!("input.{name}.{s}");
-        let image = |key: String, ch: usize| {
-            let s = g.shape(&key);
-            Image { width: s[1], height: s[0], channels: ch, data: g.u8(&key) }
-        };
-        let input = if g.has(&key("rgb")) {
-            vm.preprocess(&image(key("rgb"), 3)).input
-        } else if g.has(&key("rgba")) {
-            vm.preprocess(&image(key("rgba"), 4)).input
-        } else {
-            let frames: Vec<_> = (0..)
-                .map_while(|k| {
-                    let f = format!("input.{name}.frame{k}.rgb");
-                    g.has(&f).then(|| vm.preprocess(&image(f, 3)).input)
-                })
-                .collect();
-            kimi_host::model::vision::VisionInput::clip(&frames).expect("clip")
+        let input = match g.image(&format!("input.{name}")) {
+            Some(img) => vm.preprocess(&img).input,
+            None => {
+                // A clip: its frames, processed one by one.
+                let frames: Vec<_> = (0..)
+                    .map_while(|k| g.image(&format!("input.{name}.frame{k}")))
+                    .map(|f| vm.preprocess(&f).input)
+                    .collect();
+                kimi_host::model::vision::VisionInput::clip(&frames).expect("clip")
+            }
         };
         items.push(input);
     }

@@ -66,6 +66,17 @@ impl Golden {
         self.ck.bytes(info).bytes().to_vec()
     }
 
+    /// The raw image `{base}.rgb` or `{base}.rgba` (`[H, W, C]` u8) of a vision case, if held.
+    pub fn image(&self, base: &str) -> Option<kimi_host::model::vision::Image> {
+        [("rgb", 3), ("rgba", 4)].into_iter().find_map(|(suffix, channels)| {
+            let key = format!("{base}.{suffix}");
+            self.has(&key).then(|| {
+                let s = self.shape(&key);
+                kimi_host::model::vision::Image { width: s[1], height: s[0], channels, data: self.u8(&key) }
+            })
+        })
+    }
+
     pub fn ids(&self, name: &str) -> Vec<u32> {
         self.i64(name).into_iter().map(|x| x as u32).collect()
     }
