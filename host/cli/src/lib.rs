@@ -7,6 +7,7 @@ pub mod bench_plugins;
 pub mod bench_serve;
 pub mod bench_soak;
 pub mod bench_tokenizer;
+pub mod bench_vision;
 pub mod inspect;
 pub mod plan;
 pub mod speculate;

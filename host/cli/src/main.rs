@@ -349,6 +349,25 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The vision tower + projector on synthetic images: images/s, patches/s and GFLOP/s beside
+    /// the BF16 product peak measured in the same run (a random release-width tower without
+    /// `--model`).
+    Vision {
+        /// A checkpoint with `vision_config` (default: a random tower of the release width).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Blocks of the random tower.
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+        /// Image size, WxH.
+        #[arg(long, default_value = "512x512")]
+        size: String,
+        /// Images per tower call.
+        #[arg(long, default_value_t = 2)]
+        images: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Encode MB/s on a mixed-language corpus, beside Python tiktoken when it is importable.
     Tokenizer {
         #[arg(long)]
@@ -651,6 +670,22 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&t)?);
             } else {
                 kimi_host_cli::bench_plugins::print(&t);
+            }
+        }
+        Command::Bench(BenchCommand::Vision { model, layers, size, images, json }) => {
+            let (w, h) = size
+                .split_once('x')
+                .and_then(|(w, h)| Some((w.parse::<usize>().ok()?, h.parse::<usize>().ok()?)))
+                .filter(|&(w, h)| (1..=16384).contains(&w) && (1..=16384).contains(&h))
+                .with_context(|| format!("--size {size}: expected WxH with sides 1..=16384"))?;
+            if !(1..=64).contains(&layers) || !(1..=64).contains(&images) {
+                anyhow::bail!("--layers and --images take 1..=64");
+            }
+            let r = kimi_host_cli::bench_vision::bench_vision(model.as_deref(), layers, [w, h], images)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{r}");
             }
         }
         Command::Bench(BenchCommand::Tokenizer { tokenizer, mb, json }) => {

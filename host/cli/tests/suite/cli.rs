@@ -425,3 +425,16 @@ fn vision_command_and_make_tiny_vision() {
     assert!(!text_only.status.success());
     assert!(String::from_utf8_lossy(&text_only.stderr).contains("vision_config"));
 }
+
+/// `bench vision` runs a random release-width tower: it reports throughput beside the product
+/// peak measured in the same run, and packed rows equal one-image calls.
+#[test]
+fn bench_vision_runs_a_release_width_tower() {
+    let out = run_ok(bin().args(["bench", "vision", "--layers", "1", "--size", "60x40", "--images", "2", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["batched_equals_one_by_one"], true, "{out}");
+    assert_eq!(v["patches_per_image"], 24, "60x40 pads to 84x56: 6x4 patches");
+    assert!(v["gflops"].as_f64().is_some_and(|g| g > 0.0) && v["matmul_peak_gflops"].as_f64().is_some_and(|g| g > 0.0));
+    let bad = bin().args(["bench", "vision", "--size", "0x5"]).output().expect("run");
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--size"));
+}
