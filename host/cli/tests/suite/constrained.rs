@@ -197,9 +197,9 @@ fn thinking_budget_closes_the_think_channel() {
 }
 
 /// The same 10 schemas × 20 seeds, served by the engine with speculative decoding on (a random
-/// DSpark draft, 4 drafts a step): every call still parses and validates, and the first seeds'
-/// outputs equal the same engine's without speculation token for token (the matcher only ever
-/// consumes emitted tokens, so rejected drafts never touch it).
+/// DSpark draft, 2 drafts a step): every call still parses and validates, and requests run one at
+/// a time give the same engine's output without speculation token for token (the matcher only
+/// ever consumes emitted tokens, so rejected drafts never touch it).
 #[test]
 fn required_tool_calls_validate_with_speculation_on() {
     use kimi_host::engine::{Engine, EngineConfig, GenRequest, SamplerRequest, SamplingSpec, SeqEvent, Speculation};
@@ -256,6 +256,21 @@ fn required_tool_calls_validate_with_speculation_on() {
             }
         }
     };
+    // Token identity with plain decoding, one request at a time: a prompt's prefill chunks then
+    // fall the same way in both engines. (Under load they do not: the chunk budget shrinks with
+    // the decoding sequences, and KDA's chunked prefill rounds differently for other chunk
+    // boundaries, which can move a sampled token at temperature 1.)
+    for k in [0usize, 4, 9] {
+        let schema = &schemas()[k];
+        let tools = json!([{"type": "function", "function": {"name": format!("tool_{k}"), "parameters": schema}}]);
+        let grammar = output_grammar(Some(&tools), &ToolChoice::Required, None, ThinkChannel::Off)
+            .expect("grammar")
+            .expect("some");
+        let p = prompt(&h, &tools, "required");
+        let with = collect(submit(&spec, &p, &grammar, 0));
+        let without = collect(submit(&plain, &p, &grammar, 0));
+        assert_eq!(with, without, "schema {k}: speculation changed the output");
+    }
     // Every schema's 20 seeds decode side by side, all 200 at once.
     let t0 = std::time::Instant::now();
     let mut jobs = Vec::new();
@@ -266,22 +281,15 @@ fn required_tool_calls_validate_with_speculation_on() {
             .expect("some");
         let p = prompt(&h, &tools, "required");
         for seed in 0..20 {
-            jobs.push((k, seed, schema.clone(), p.clone(), grammar.clone(), submit(&spec, &p, &grammar, seed)));
+            jobs.push((k, seed, schema.clone(), submit(&spec, &p, &grammar, seed)));
         }
     }
     let mut checked = 0;
     let mut tokens = 0;
-    for (k, seed, schema, p, grammar, handle) in jobs {
+    for (k, seed, schema, handle) in jobs {
         let mut ids = collect(handle);
         tokens += ids.len();
         assert_eq!(ids.pop(), Some(h.eos), "schema {k} seed {seed}: ends with end-of-message");
-        if seed == 0 {
-            // Each schema's seed 0 was submitted first: its prefill chunks are the same in both
-            // engines, so its rows — and so its tokens — are too.
-            let mut plain_ids = collect(submit(&plain, &p, &grammar, seed));
-            plain_ids.pop();
-            assert_eq!(ids, plain_ids, "schema {k}: speculation changed the output");
-        }
         let validator = jsonschema::validator_for(&schema).expect("schema");
         let events = parse(&h, &ids).unwrap_or_else(|e| panic!("schema {k} seed {seed}: {e}"));
         let calls: Vec<_> =
