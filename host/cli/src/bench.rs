@@ -261,6 +261,12 @@ pub fn bench_forward(
     let model = Model::load_as(dir, par, fmt)?;
     let c = model.text_config();
     let prompt = prompt(c.vocab_size, prompt_len, 0);
+    // An untimed warm-up prefill of another prompt, as llama-bench does: the first step touches
+    // the repacked weights' pages and fills the step-buffer pool.
+    let warm = self::prompt(c.vocab_size, prompt_len, u64::MAX);
+    let mut warm_state = model.new_state();
+    model.forward_batch(&mut [SeqInput::new(&warm, &mut warm_state, LogitsFor::LastToken)], None)?;
+    drop(warm_state);
     let mut state = model.new_state();
     let mut prefill_times = OpTimes::default();
     let t = Instant::now();
