@@ -201,6 +201,43 @@ fn packed_products_are_one_fused_chain_per_output() {
     }
 }
 
+/// MXFP4 scales at the format's edges. Rows whose exponents stay within 2^64 of each other run
+/// the register tiles in scaled coordinates, others the widened path; both must give the fused
+/// chain's bits at one token and in a batch, and a NaN scale code makes its row NaN.
+#[test]
+fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
+    let mut rng = StdRng::seed_from_u64(33);
+    let (rows, cols) = (37, 160);
+    // Moderate spread (direct tiles), the whole exponent range (widened), and a NaN code.
+    for (case, codes) in [("span 64", (96u8, 160u8)), ("span 253", (1, 254)), ("nan", (100, 140))] {
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.random_range(0..=255u8)).collect();
+        let mut scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(codes.0..=codes.1)).collect();
+        if case == "nan" {
+            scales[5 * cols / 32 + 2] = 255;
+        }
+        let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
+        let values = q.to_f32();
+        let p = PackedMatrix::pack(&Matrix::Mxfp4(q)).expect("packs");
+        let m = Matrix::Packed(&p);
+        for tokens in [1usize, 3, 16] {
+            let x = randn(&mut rng, tokens * cols);
+            let mut out = vec![0f32; tokens * rows];
+            CpuBackend.matmul(&m, &x, tokens, &mut out);
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let want = (0..cols).fold(0f32, |acc, c| values[r * cols + c].mul_add(x[t * cols + c], acc));
+                    let got = out[t * rows + r];
+                    if case == "nan" && r == 5 {
+                        assert!(got.is_nan(), "{case}: token {t} of {tokens}: row 5 is {got}");
+                    } else {
+                        assert_eq!(got.to_bits(), want.to_bits(), "{case}: token {t} of {tokens}, row {r}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn embedding_norms_and_elementwise_match_reference() {
     let mut rng = StdRng::seed_from_u64(2);

@@ -56,8 +56,15 @@ enum PackedData {
     Bf16(Vec<u16>),
     /// `nibbles[panel][pair][row]` (column 2q low, 2q+1 high) and `scales[panel][group][row]`
     /// (E8M0); padding rows are zero codes under scale 2^0.
-    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8> },
+    /// `scaled_chain`: every row's scale exponents (the NaN code aside) lie within
+    /// [`MAX_SCALE_SPAN`] of each other, so the register-decoding tiles may run the chain in
+    /// scaled coordinates (see `tile_n`); other matrices always take the widened path.
+    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8>, scaled_chain: bool },
 }
+
+/// Largest spread of E8M0 exponents within a row for which a partial sum divided by one of its
+/// group scales stays a normal float for any realistic activation (below ~2^60 · cols).
+const MAX_SCALE_SPAN: u8 = 64;
 
 impl PackedMatrix {
     /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32) or an empty one.
@@ -99,7 +106,12 @@ impl PackedMatrix {
                         }
                     },
                 );
-                PackedData::Mxfp4 { nibbles, scales }
+                let scaled_chain = (0..rows).into_par_iter().all(|r| {
+                    let codes = mxfp4_row(q, r).1.iter().copied().filter(|&b| b != 255);
+                    let (lo, hi) = codes.fold((u8::MAX, 0u8), |(lo, hi), b| (lo.min(b), hi.max(b)));
+                    hi.saturating_sub(lo) <= MAX_SCALE_SPAN
+                });
+                PackedData::Mxfp4 { nibbles, scales, scaled_chain }
             }
             Matrix::F32(_) | Matrix::Fp8(_) | Matrix::Packed(_) => return None,
         };
@@ -118,7 +130,7 @@ impl PackedMatrix {
     pub fn bytes(&self) -> usize {
         match &self.data {
             PackedData::Bf16(v) => 2 * v.len(),
-            PackedData::Mxfp4 { nibbles, scales } => nibbles.len() + scales.len(),
+            PackedData::Mxfp4 { nibbles, scales, .. } => nibbles.len() + scales.len(),
         }
     }
 
@@ -131,7 +143,7 @@ impl PackedMatrix {
                 PackedData::Bf16(v) => {
                     f32::from_bits((v[((p * pairs + c / 2) * PANEL + lane) * 2 + c % 2] as u32) << 16)
                 }
-                PackedData::Mxfp4 { nibbles, scales } => {
+                PackedData::Mxfp4 { nibbles, scales, .. } => {
                     let b = nibbles[(p * pairs + c / 2) * PANEL + lane];
                     let code = if c % 2 == 0 { b & 15 } else { b >> 4 };
                     let s = scales[(p * (self.cols / GROUP) + c / GROUP) * PANEL + lane];
@@ -183,7 +195,11 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
                 t += nt;
             }
         };
-        if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 {
+        let direct = match &w.data {
+            PackedData::Bf16(_) => true,
+            PackedData::Mxfp4 { scaled_chain, .. } => *scaled_chain,
+        };
+        if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
             // Few token tiles on AVX-512: decode in registers as they go.
             tiles(None);
         } else {
@@ -241,7 +257,7 @@ fn decode_pair(w: &PackedMatrix, p: usize, q: usize, we: &mut [f32], wo: &mut [f
                 wo[r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
             }
         }
-        PackedData::Mxfp4 { nibbles, scales } => {
+        PackedData::Mxfp4 { nibbles, scales, .. } => {
             let base = (p * pairs + q) * PANEL;
             let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
             for r in 0..PANEL {
@@ -395,9 +411,8 @@ mod x86 {
                         }
                     }
                 }
-                PackedData::Mxfp4 { nibbles, scales } => {
+                PackedData::Mxfp4 { nibbles, scales, .. } => {
                     let lut = _mm512_loadu_ps(E2M1.as_ptr());
-                    let low = _mm512_set1_epi32(15);
                     let groups = cols / GROUP;
                     for i in 0..np {
                         let mut scale = _mm512_setzero_ps();
@@ -408,9 +423,9 @@ mod x86 {
                             }
                             let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
                             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
-                            let lo = _mm512_and_si512(b, low);
+                            // vpermps reads only an index's low 4 bits: the low nibble as is.
                             let hi = _mm512_srli_epi32::<4>(b);
-                            _mm512_storeu_ps(dst(q, i), _mm512_mul_ps(_mm512_permutexvar_ps(lo, lut), scale));
+                            _mm512_storeu_ps(dst(q, i), _mm512_mul_ps(_mm512_permutexvar_ps(b, lut), scale));
                             _mm512_storeu_ps(
                                 dst(q, i).add(PANEL),
                                 _mm512_mul_ps(_mm512_permutexvar_ps(hi, lut), scale),
@@ -530,37 +545,51 @@ mod x86 {
                         }
                     }
                 }
-                PackedData::Mxfp4 { nibbles, scales } => {
+                PackedData::Mxfp4 { nibbles, scales, .. } => {
+                    // The chain runs in each group's scaled coordinates: `b = acc / s` with the
+                    // unscaled E2M1 codes, `acc = s · b` between groups. s is a power of two, so
+                    // fma(w·s, x, acc) = s · fma(w, x, acc / s) exactly (while the partial sums
+                    // stay normal floats): the same bits as the widened path, without a multiply
+                    // per weight vector.
                     let lut = _mm512_loadu_ps(E2M1.as_ptr());
-                    let low = _mm512_set1_epi32(15);
                     let groups = cols / GROUP;
-                    let mut scale = [_mm512_setzero_ps(); NP];
-                    for q in 0..pairs {
-                        if (2 * q).is_multiple_of(GROUP) {
-                            let g = 2 * q / GROUP;
-                            for (i, s) in scale.iter_mut().enumerate() {
-                                let at = scales.as_ptr().add(((p0 + i) * groups + g) * PANEL);
-                                *s = e8m0x16(_mm_loadu_si128(at as *const __m128i));
-                            }
-                        }
-                        let mut we = [_mm512_setzero_ps(); NP];
-                        let mut wo = [_mm512_setzero_ps(); NP];
+                    let mut expo = [_mm512_setzero_ps(); NP];
+                    for g in 0..groups {
                         for i in 0..NP {
-                            let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
-                            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
-                            let lo = _mm512_and_si512(b, low);
-                            let hi = _mm512_srli_epi32::<4>(b);
-                            we[i] = _mm512_mul_ps(_mm512_permutexvar_ps(lo, lut), scale[i]);
-                            wo[i] = _mm512_mul_ps(_mm512_permutexvar_ps(hi, lut), scale[i]);
-                        }
-                        // MXFP4 columns come in groups of 32, so every pair is whole.
-                        for j in 0..NT {
-                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                            let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
-                            for i in 0..NP {
-                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
-                                acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                            let at = scales.as_ptr().add(((p0 + i) * groups + g) * PANEL);
+                            let e = e8m0_exponents(_mm_loadu_si128(at as *const __m128i));
+                            if g > 0 {
+                                let d = _mm512_sub_ps(expo[i], e);
+                                for j in 0..NT {
+                                    acc[i][j] = _mm512_scalef_ps(acc[i][j], d);
+                                }
                             }
+                            expo[i] = e;
+                        }
+                        for q in g * GROUP / 2..(g + 1) * GROUP / 2 {
+                            let mut we = [_mm512_setzero_ps(); NP];
+                            let mut wo = [_mm512_setzero_ps(); NP];
+                            for i in 0..NP {
+                                let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
+                                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                                // vpermps reads only an index's low 4 bits: the low nibble as is.
+                                we[i] = _mm512_permutexvar_ps(b, lut);
+                                wo[i] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), lut);
+                            }
+                            // MXFP4 columns come in groups of 32, so every pair is whole.
+                            for j in 0..NT {
+                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                for i in 0..NP {
+                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                }
+                            }
+                        }
+                    }
+                    for i in 0..NP {
+                        for j in 0..NT {
+                            acc[i][j] = _mm512_scalef_ps(acc[i][j], expo[i]);
                         }
                     }
                 }
@@ -571,6 +600,16 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// 16 E8M0 bytes → their exponents b − 127 as f32 (NaN for the NaN code 255), for
+    /// `vscalefps`: scalef(v, b − 127) = v · 2^(b − 127), the code 0's 2^−127 included.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn e8m0_exponents(b: __m128i) -> __m512 {
+        let v = _mm512_cvtepu8_epi32(b);
+        let e = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(127)));
+        let nan = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255));
+        _mm512_mask_blend_ps(nan, e, _mm512_set1_ps(f32::NAN))
     }
 
     /// 16 E8M0 bytes → 2^(b − 127) as f32, with the two special codes of `e8m0_to_f32`
