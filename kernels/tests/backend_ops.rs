@@ -230,7 +230,11 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
                     if case == "nan" && r == 5 {
                         assert!(got.is_nan(), "{case}: token {t} of {tokens}: row 5 is {got}");
                     } else {
-                        assert_eq!(got.to_bits(), want.to_bits(), "{case}: token {t} of {tokens}, row {r}: {got} vs {want}");
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{case}: token {t} of {tokens}, row {r}: {got} vs {want}"
+                        );
                     }
                 }
             }
