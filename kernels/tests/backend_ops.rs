@@ -749,45 +749,72 @@ fn every_simd_level_passes() {
     common::rerun_at_every_simd_level("every_simd_level_passes");
 }
 
+/// Stored and packed FP8 weights (the packed ones at one token, in register tiles, and at 17,
+/// widened), against the E4M3 grids' product and the FP8 rounding bound; a packed token's
+/// product is the same bits alone or in a batch.
 #[test]
 fn fp8_matmul_is_the_per_token_scaled_e4m3_product_within_its_rounding_bound() {
     use kimi_kernels::Fp8Matrix;
     use kimi_kernels::cpu::fp8::{E4M3_UNIT_ROUNDOFF, e4m3_to_f32, quantize_activations, quantize_rows};
     let mut rng = StdRng::seed_from_u64(11);
-    let (rows, cols, tokens) = (37, 70, 3);
+    let (rows, cols) = (37, 71);
     let w = randn(&mut rng, rows * cols);
-    let x = randn(&mut rng, tokens * cols);
     let (codes, scales) = quantize_rows(&w, rows, cols);
-    let m = Matrix::Fp8(Fp8Matrix::new(&codes, &scales, rows, cols));
-    let xq = quantize_activations(&x, cols);
-    for (name, be) in backends() {
-        let mut out = vec![0f32; tokens * rows];
-        be.matmul(&m, &x, tokens, &mut out);
-        // The kernel's math: the E4M3 grids' product, in f64.
-        let mut grid = vec![0f64; out.len()];
-        for t in 0..tokens {
-            for r in 0..rows {
-                grid[t * rows + r] = (0..cols)
-                    .map(|c| e4m3_to_f32(codes[r * cols + c]) as f64 * scales[r] as f64 * xq[t * cols + c] as f64)
-                    .sum();
-            }
-        }
-        assert_close(&out, &grid, 1e-5, &format!("{name} fp8 matmul against its grid product"));
-        // The FP8 rounding bound against the unquantised product: each factor within u (plus
-        // the subnormal step near zero), so each term within (2u + u²) of its magnitude.
-        let u = E4M3_UNIT_ROUNDOFF as f64;
-        for t in 0..tokens {
-            let xs = &x[t * cols..(t + 1) * cols];
-            let st = xs.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 448.0;
-            for r in 0..rows {
-                let ws = &w[r * cols..(r + 1) * cols];
-                let exact: f64 = ws.iter().zip(xs).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = ws.iter().zip(xs).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-                let sub = 2f64.powi(-10)
-                    * (scales[r] as f64 * xs.iter().map(|v| v.abs() as f64).sum::<f64>()
-                        + st * ws.iter().map(|v| v.abs() as f64).sum::<f64>());
-                let err = (out[t * rows + r] as f64 - exact).abs();
-                assert!(err <= (2.0 * u + u * u) * mag + 2.0 * sub + 1e-5, "{name} fp8 [{t},{r}]: {err} > bound");
+    let stored = Matrix::Fp8(Fp8Matrix::new(&codes, &scales, rows, cols));
+    let packed = CpuBackend.prepare_matrix(&stored).expect("FP8 packs");
+    let (mut want_row, mut got_row) = (vec![0f32; cols], vec![0f32; cols]);
+    for r in 0..rows {
+        stored.row_to_f32(r, &mut want_row);
+        packed.row_to_f32(r, &mut got_row);
+        assert_eq!(got_row, want_row, "packed fp8 row {r} unpacks to the stored values");
+    }
+    for tokens in [1usize, 3, 17] {
+        let x = randn(&mut rng, tokens * cols);
+        let xq = quantize_activations(&x, cols);
+        for (name, be) in backends() {
+            for (fmt, m) in [("stored", stored), ("packed", Matrix::Packed(&packed))] {
+                let what = format!("{name} {fmt} fp8, {tokens} tokens");
+                let mut out = vec![0f32; tokens * rows];
+                be.matmul(&m, &x, tokens, &mut out);
+                // The kernel's math: the E4M3 grids' product, in f64.
+                let mut grid = vec![0f64; out.len()];
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        grid[t * rows + r] = (0..cols)
+                            .map(|c| {
+                                e4m3_to_f32(codes[r * cols + c]) as f64 * scales[r] as f64 * xq[t * cols + c] as f64
+                            })
+                            .sum();
+                    }
+                }
+                assert_close(&out, &grid, 1e-5, &format!("{what} against its grid product"));
+                // The FP8 rounding bound against the unquantised product: each factor within u
+                // (plus the subnormal step near zero), so each term within (2u + u²) of its
+                // magnitude.
+                let u = E4M3_UNIT_ROUNDOFF as f64;
+                for t in 0..tokens {
+                    let xs = &x[t * cols..(t + 1) * cols];
+                    let st = xs.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 448.0;
+                    for r in 0..rows {
+                        let ws = &w[r * cols..(r + 1) * cols];
+                        let exact: f64 = ws.iter().zip(xs).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = ws.iter().zip(xs).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let sub = 2f64.powi(-10)
+                            * (scales[r] as f64 * xs.iter().map(|v| v.abs() as f64).sum::<f64>()
+                                + st * ws.iter().map(|v| v.abs() as f64).sum::<f64>());
+                        let err = (out[t * rows + r] as f64 - exact).abs();
+                        assert!(err <= (2.0 * u + u * u) * mag + 2.0 * sub + 1e-5, "{what} [{t},{r}]: {err} > bound");
+                    }
+                }
+                if fmt == "packed" {
+                    for t in 0..tokens {
+                        let mut one = vec![0f32; rows];
+                        be.matmul(&m, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                        for (r, (a, b)) in out[t * rows..(t + 1) * rows].iter().zip(&one).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{what}: token {t} row {r} alone: {b} vs {a}");
+                        }
+                    }
+                }
             }
         }
     }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use kimi_host::model::checkpoint::Checkpoint;
+use kimi_host::model::plan::fp8_dense_target;
 use kimi_host::model::profile::OpTimes;
 use kimi_host::model::{LogitsFor, Model, ModelError, Parallelism, SeqInput, SequenceState, WeightFormat};
 
@@ -174,8 +175,9 @@ fn matmul_params(dir: &Path) -> Result<(u64, u64), ModelError> {
     Ok((dense, routed))
 }
 
-/// (non-routed weight bytes without the embedding table, routed expert bytes).
-fn weight_bytes(dir: &Path) -> Result<(u64, u64), ModelError> {
+/// (non-routed weight bytes without the embedding table, routed expert bytes), as the model
+/// holds them: `--fp8-dense` kinds at a byte a value plus an f32 scale per row.
+fn weight_bytes(dir: &Path, fmt: WeightFormat) -> Result<(u64, u64), ModelError> {
     let ck = Checkpoint::open(dir)?;
     let mut dense = 0u64;
     let mut routed = 0u64;
@@ -183,10 +185,14 @@ fn weight_bytes(dir: &Path) -> Result<(u64, u64), ModelError> {
         if name.contains("embed_tokens") {
             continue;
         }
+        let bytes = match info.shape[..] {
+            [rows, cols] if fmt.fp8_dense && fp8_dense_target(name) => (rows * cols + 4 * rows) as u64,
+            _ => info.nbytes() as u64,
+        };
         if name.contains(".experts.") {
-            routed += info.nbytes() as u64;
+            routed += bytes;
         } else {
-            dense += info.nbytes() as u64;
+            dense += bytes;
         }
     }
     Ok((dense, routed))
@@ -274,7 +280,7 @@ pub fn bench_forward(
         .forward_batch_profiled(&mut [SeqInput::new(&prompt, &mut state, LogitsFor::LastToken)], &mut prefill_times)?;
     let prefill = t.elapsed().as_secs_f64();
     let bw = measure_read_bandwidth(1 << 29);
-    let (dense, routed) = weight_bytes(dir)?;
+    let (dense, routed) = weight_bytes(dir, fmt)?;
     let peak = measure_matmul_peak();
     let handoff = measure_handoff();
     let (dense_values, routed_values) = matmul_params(dir)?;

@@ -31,7 +31,9 @@ enum WeightStore {
         packed: TensorBytes,
         scales: TensorBytes,
     },
-    /// Requantised at load (`--fp8-dense`): E4M3 codes and one f32 scale per row.
+    /// Requantised at load (`--fp8-dense`): E4M3 codes and one f32 scale per row. Once the
+    /// backend has laid the weight out (`prepared`), the codes live only there: `codes` is
+    /// emptied, so resident memory holds one copy.
     Fp8 {
         codes: Vec<u8>,
         scales: Vec<f32>,
@@ -74,18 +76,23 @@ impl Weight {
     /// into row panels). The stored bytes' pages are then handed back to the kernel: products
     /// never read them again, so resident memory holds one copy of the weight.
     pub fn prepare(&mut self, be: &dyn Backend) {
-        if matches!(self.store, WeightStore::Absent) {
-            return;
+        match &self.store {
+            WeightStore::Absent => return,
+            // Requantised codes already handed to a layout: every backend lays its products out
+            // as the CPU backend does today, so the panels stay.
+            WeightStore::Fp8 { codes, .. } if codes.is_empty() && self.prepared.is_some() => return,
+            _ => {}
         }
         self.prepared = be.prepare_matrix(&self.m());
         if self.prepared.is_some() {
-            match &self.store {
+            match &mut self.store {
                 WeightStore::Bf16(b) | WeightStore::F32(b) => b.release_pages(),
                 WeightStore::Mxfp4 { packed, scales } => {
                     packed.release_pages();
                     scales.release_pages();
                 }
-                WeightStore::Fp8 { .. } | WeightStore::Absent => {}
+                WeightStore::Fp8 { codes, .. } => *codes = Vec::new(),
+                WeightStore::Absent => {}
             }
         }
     }
@@ -95,7 +102,8 @@ impl Weight {
         match &self.store {
             WeightStore::Bf16(b) | WeightStore::F32(b) => b.bytes().len(),
             WeightStore::Mxfp4 { packed, scales } => packed.bytes().len() + scales.bytes().len(),
-            WeightStore::Fp8 { codes, scales } => codes.len() + 4 * scales.len(),
+            // By the shape: the codes may live in the prepared layout by now.
+            WeightStore::Fp8 { scales, .. } => self.rows * self.cols + 4 * scales.len(),
             WeightStore::Absent => 0,
         }
     }

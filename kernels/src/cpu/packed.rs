@@ -7,13 +7,20 @@
 //! multiply-add chain over the columns in order — no horizontal sums, and the same chain for any
 //! number of tokens, threads or SIMD level: a token's result is bit-identical alone or in a batch.
 //! The packed copy takes the same bytes as the stored weight (BF16 2 bytes a value, MXFP4 half a
-//! byte plus a scale byte per 32), padded to whole panels.
+//! byte plus a scale byte per 32, FP8 a byte plus an f32 scale per row), padded to whole panels.
+//!
+//! FP8 (`--fp8-dense`) panels hold the E4M3 codes as column pairs like BF16. A code's bits shifted
+//! into an f32's exponent and mantissa fields are its value times 2^−120 (subnormal codes
+//! included), so decoding is two shifts and two masks per pair; the product runs the chain over
+//! those values and each token's activation codes (ATOM's per-token `ptpc_fp8` quantisation),
+//! then scales by 2^120, the row's scale and the token's scale.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
 use super::disjoint::DisjointOut;
+use super::fp8::{E4M3_MAX, f32_to_e4m3};
 use super::mxfp4::{E2M1, GROUP, Mxfp4Matrix, e8m0_to_f32};
 use super::simd::{SimdLevel, simd_level};
 use crate::Matrix;
@@ -60,6 +67,22 @@ enum PackedData {
     /// [`MAX_SCALE_SPAN`] of each other, so the register-decoding tiles may run the chain in
     /// scaled coordinates (see `tile_n`); other matrices always take the widened path.
     Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8>, scaled_chain: bool },
+    /// `codes[panel][pair][even 16 | odd 16]` E4M3 codes (an odd last column paired with code 0)
+    /// and `scales[row]`, padded to whole panels.
+    Fp8 { codes: Vec<u8>, scales: Vec<f32> },
+}
+
+/// Where an E4M3 code's magnitude bits land in an f32 once shifted left by 20 (sign at bit 31).
+const FP8_FIELDS: u32 = 0x87F0_0000;
+
+/// 2^120: the E4M3 exponent bias (7) rebiased to f32's (127).
+const FP8_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
+
+/// A code's value × 2^−120, by bits: `((b & 0x80) << 24) | ((b & 0x7F) << 20)`.
+#[inline(always)]
+fn fp8_raw(b: u8) -> f32 {
+    let b = b as i8 as i32 as u32;
+    f32::from_bits((b << 20) & FP8_FIELDS)
 }
 
 /// Largest spread of E8M0 exponents within a row for which a partial sum divided by one of its
@@ -113,7 +136,21 @@ impl PackedMatrix {
                 });
                 PackedData::Mxfp4 { nibbles, scales, scaled_chain }
             }
-            Matrix::F32(_) | Matrix::Fp8(_) | Matrix::Packed(_) => return None,
+            Matrix::Fp8(f) => {
+                let mut codes = vec![0u8; panels * pairs * PANEL * 2];
+                codes.par_chunks_mut(pairs * PANEL * 2).enumerate().for_each(|(p, panel)| {
+                    for r in 0..PANEL.min(rows - p * PANEL) {
+                        let row = &f.data[(p * PANEL + r) * cols..(p * PANEL + r + 1) * cols];
+                        for (c, &v) in row.iter().enumerate() {
+                            panel[(c / 2 * 2 + c % 2) * PANEL + r] = v;
+                        }
+                    }
+                });
+                let mut scales = vec![1f32; panels * PANEL];
+                scales[..rows].copy_from_slice(f.scales);
+                PackedData::Fp8 { codes, scales }
+            }
+            Matrix::F32(_) | Matrix::Packed(_) => return None,
         };
         Some(PackedMatrix { rows, cols, data })
     }
@@ -131,6 +168,7 @@ impl PackedMatrix {
         match &self.data {
             PackedData::Bf16(v) => 2 * v.len(),
             PackedData::Mxfp4 { nibbles, scales, .. } => nibbles.len() + scales.len(),
+            PackedData::Fp8 { codes, scales } => codes.len() + 4 * scales.len(),
         }
     }
 
@@ -149,6 +187,9 @@ impl PackedMatrix {
                     let s = scales[(p * (self.cols / GROUP) + c / GROUP) * PANEL + lane];
                     E2M1[code as usize] * e8m0_to_f32(s)
                 }
+                PackedData::Fp8 { codes, scales } => {
+                    fp8_raw(codes[((p * pairs + c / 2) * 2 + c % 2) * PANEL + lane]) * FP8_REBIAS * scales[r]
+                }
             };
         }
     }
@@ -161,6 +202,8 @@ fn mxfp4_row<'a>(q: &Mxfp4Matrix<'a>, r: usize) -> (&'a [u8], &'a [u8]) {
 }
 
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]`, each output one multiply-add chain over `c` in order.
+/// FP8 weights take each token's activations as E4M3 codes with one scale per token (see the
+/// module's documentation).
 pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), tokens * cols, "packed matmul: x has {} values, want {tokens}×{cols}", x.len());
@@ -168,6 +211,41 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     if tokens == 0 || rows == 0 {
         return;
     }
+    let PackedData::Fp8 { scales, .. } = &w.data else {
+        return matmul_chains(w, x, tokens, out);
+    };
+    // Each token's codes' values (|v| ≤ 448) and its scale max|x_t| / 448.
+    let mut codes = vec![0f32; x.len()];
+    let mut token_scale = vec![1f32; tokens];
+    let quantise = |((row, c), s): ((&[f32], &mut [f32]), &mut f32)| {
+        let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        if m > 0.0 && m.is_finite() {
+            *s = m / E4M3_MAX;
+        }
+        for (c, v) in c.iter_mut().zip(row) {
+            *c = fp8_raw(f32_to_e4m3(v / *s)) * FP8_REBIAS;
+        }
+    };
+    if tokens > 1 && x.len() >= SERIAL_WORK / 4 {
+        // A prefill's tokens are quantised on every thread (the rounding is scalar work).
+        x.par_chunks_exact(cols)
+            .zip(codes.par_chunks_exact_mut(cols))
+            .zip(token_scale.par_iter_mut())
+            .for_each(quantise);
+    } else {
+        x.chunks_exact(cols).zip(codes.chunks_exact_mut(cols)).zip(token_scale.iter_mut()).for_each(quantise);
+    }
+    matmul_chains(w, &codes, tokens, out);
+    for (o, s) in out.chunks_exact_mut(rows).zip(&token_scale) {
+        for (v, r) in o.iter_mut().zip(scales) {
+            *v = *v * FP8_REBIAS * *r * *s;
+        }
+    }
+}
+
+/// The chains of [`matmul`] over `x` as given.
+fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
     let groups = w.panels().div_ceil(GROUP_PANELS);
     // Every task writes a disjoint set of output columns (its own panel group's rows).
     let ptr = DisjointOut::new(out);
@@ -196,7 +274,7 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
             }
         };
         let direct = match &w.data {
-            PackedData::Bf16(_) => true,
+            PackedData::Bf16(_) | PackedData::Fp8 { .. } => true,
             PackedData::Mxfp4 { scaled_chain, .. } => *scaled_chain,
         };
         if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
@@ -265,6 +343,13 @@ fn decode_pair(w: &PackedMatrix, p: usize, q: usize, we: &mut [f32], wo: &mut [f
                 let s = e8m0_to_f32(scales[sbase + r]);
                 we[r] = E2M1[(b & 15) as usize] * s;
                 wo[r] = E2M1[(b >> 4) as usize] * s;
+            }
+        }
+        PackedData::Fp8 { codes, .. } => {
+            let base = (p * pairs + q) * PANEL * 2;
+            for r in 0..PANEL {
+                we[r] = fp8_raw(codes[base + r]);
+                wo[r] = fp8_raw(codes[base + PANEL + r]);
             }
         }
     }
@@ -433,6 +518,15 @@ mod x86 {
                         }
                     }
                 }
+                PackedData::Fp8 { codes, .. } => {
+                    for q in 0..pairs {
+                        for i in 0..np {
+                            let (we, wo) = fp8_pair(codes.as_ptr().add(((p0 + i) * pairs + q) * PANEL * 2));
+                            _mm512_storeu_ps(dst(q, i), we);
+                            _mm512_storeu_ps(dst(q, i).add(PANEL), wo);
+                        }
+                    }
+                }
             }
         }
     }
@@ -545,6 +639,28 @@ mod x86 {
                         }
                     }
                 }
+                PackedData::Fp8 { codes, .. } => {
+                    let at = |p: usize, q: usize| codes.as_ptr().add(((p0 + p) * pairs + q) * PANEL * 2);
+                    for q in 0..pairs {
+                        let mut we = [_mm512_setzero_ps(); NP];
+                        let mut wo = [_mm512_setzero_ps(); NP];
+                        for i in 0..NP {
+                            (we[i], wo[i]) = fp8_pair(at(i, q));
+                        }
+                        for j in 0..NT {
+                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                            for i in 0..NP {
+                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                            }
+                            if q < full {
+                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                for i in 0..NP {
+                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                }
+                            }
+                        }
+                    }
+                }
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
                     // The chain runs in each group's scaled coordinates: `b = acc / s` with the
                     // unscaled E2M1 codes, `acc = s · b` between groups. s is a power of two, so
@@ -600,6 +716,19 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// A panel's column pair of E4M3 codes (`[even 16 | odd 16]`) → the two columns' values ×
+    /// 2^−120: each code sign-extended to 32 bits and shifted left by 20 has its magnitude bits at
+    /// 20..27 and a copy of its sign at 31; the mask keeps those.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fp8_pair(at: *const u8) -> (__m512, __m512) {
+        let fields = _mm512_set1_epi32(super::FP8_FIELDS as i32);
+        // SAFETY (caller): `at` points at 32 readable bytes.
+        let (e, o) = unsafe { (_mm_loadu_si128(at as *const __m128i), _mm_loadu_si128(at.add(16) as *const __m128i)) };
+        let we = _mm512_and_si512(_mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(e)), fields);
+        let wo = _mm512_and_si512(_mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(o)), fields);
+        (_mm512_castsi512_ps(we), _mm512_castsi512_ps(wo))
     }
 
     /// 16 E8M0 bytes → their exponents b − 127 as f32 (NaN for the NaN code 255), for
