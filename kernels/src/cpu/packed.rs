@@ -217,15 +217,7 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     // Each token's codes' values (|v| ≤ 448) and its scale max|x_t| / 448.
     let mut codes = vec![0f32; x.len()];
     let mut token_scale = vec![1f32; tokens];
-    let quantise = |((row, c), s): ((&[f32], &mut [f32]), &mut f32)| {
-        let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        if m > 0.0 && m.is_finite() {
-            *s = m / E4M3_MAX;
-        }
-        for (c, v) in c.iter_mut().zip(row) {
-            *c = fp8_raw(f32_to_e4m3(v / *s)) * FP8_REBIAS;
-        }
-    };
+    let quantise = |((row, c), s): ((&[f32], &mut [f32]), &mut f32)| *s = fp8_token_codes(row, c);
     if tokens > 1 && x.len() >= SERIAL_WORK / 4 {
         // A prefill's tokens are quantised on every thread (the rounding is scalar work).
         x.par_chunks_exact(cols)
@@ -241,6 +233,27 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
             *v = *v * FP8_REBIAS * *r * *s;
         }
     }
+}
+
+/// One token's activations as E4M3 codes' values (`decode(f32_to_e4m3(v / s))`, |·| ≤ 448) into
+/// `out`, and its scale `s = max|v| / 448` (1 for a zero or non-finite maximum; NaNs are skipped
+/// by the maximum and become the code 0x7F, 480, as in [`f32_to_e4m3`]).
+fn fp8_token_codes(row: &[f32], out: &mut [f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 {
+        // SAFETY: the level was detected at run time.
+        return unsafe { x86::fp8_token_codes_avx512(row, out) };
+    }
+    fp8_token_codes_scalar(row, out)
+}
+
+fn fp8_token_codes_scalar(row: &[f32], out: &mut [f32]) -> f32 {
+    let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let s = if m > 0.0 && m.is_finite() { m / E4M3_MAX } else { 1.0 };
+    for (c, v) in out.iter_mut().zip(row) {
+        *c = fp8_raw(f32_to_e4m3(v / s)) * FP8_REBIAS;
+    }
+    s
 }
 
 /// The chains of [`matmul`] over `x` as given.
@@ -435,7 +448,9 @@ fn tile_direct(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, tile_wide_generic};
+    use super::{
+        E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, f32_to_e4m3, tile_wide_generic,
+    };
     use crate::cpu::mxfp4::{E2M1, GROUP};
 
     /// Calls `$f::<NP, NT>(args)` for the run-time panel and token counts: fixed shapes let the
@@ -718,6 +733,61 @@ mod x86 {
         }
     }
 
+    /// [`super::fp8_token_codes`] 16 values at a time: the maximum with `vmaxps` (which passes
+    /// over NaNs as `f32::max` does), then E4M3 rounding on the value's own quantum (2^(e − 3),
+    /// or 2^−9 below 2^−6): `roundscale(a / q) · q` rounds half to even like the scalar encoder,
+    /// and 448 is on the grid, so clamping first is the encoder's saturation.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fp8_token_codes_avx512(row: &[f32], out: &mut [f32]) -> f32 {
+        let n = row.len().min(out.len());
+        let whole = n / 16 * 16;
+        let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+        let mut vm = _mm512_setzero_ps();
+        // SAFETY (all loads and stores): i + 16 <= whole <= n, inside both slices.
+        unsafe {
+            for i in (0..whole).step_by(16) {
+                let v = _mm512_castsi512_ps(_mm512_and_si512(
+                    _mm512_castps_si512(_mm512_loadu_ps(row.as_ptr().add(i))),
+                    abs_mask,
+                ));
+                vm = _mm512_max_ps(v, vm);
+            }
+        }
+        let m = row[whole..n].iter().fold(_mm512_reduce_max_ps(vm), |m, v| m.max(v.abs()));
+        let s = if m > 0.0 && m.is_finite() { m / E4M3_MAX } else { 1.0 };
+        let (vs, cap, small) = (_mm512_set1_ps(s), _mm512_set1_ps(E4M3_MAX), _mm512_set1_ps(1.0 / 64.0));
+        let sub_quantum = _mm512_set1_ps(1.0 / 512.0);
+        let exp_mask = _mm512_set1_epi32(0x7f80_0000);
+        let sign_mask = _mm512_set1_epi32(i32::MIN);
+        let nan_code = _mm512_set1_ps(super::fp8_raw(0x7F) * FP8_REBIAS);
+        unsafe {
+            for i in (0..whole).step_by(16) {
+                let q = _mm512_div_ps(_mm512_loadu_ps(row.as_ptr().add(i)), vs);
+                let qi = _mm512_castps_si512(q);
+                let a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(qi, abs_mask)), cap);
+                // 2^(e − 3) from a's exponent field, and its reciprocal 2^(3 − e); both exact.
+                let e = _mm512_and_si512(_mm512_castps_si512(a), exp_mask);
+                let quantum = _mm512_castsi512_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(3 << 23)));
+                let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, small);
+                let quantum = _mm512_mask_blend_ps(below, quantum, sub_quantum);
+                let inv =
+                    _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_set1_epi32(254 << 23), _mm512_castps_si512(quantum)));
+                let r = _mm512_mul_ps(
+                    _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(a, inv)),
+                    quantum,
+                );
+                let signed = _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(qi, sign_mask));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(q, q);
+                let v = _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(signed), nan_code);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+        }
+        for (c, v) in out[whole..n].iter_mut().zip(&row[whole..n]) {
+            *c = super::fp8_raw(f32_to_e4m3(v / s)) * FP8_REBIAS;
+        }
+        s
+    }
+
     /// A panel's column pair of E4M3 codes (`[even 16 | odd 16]`) → the two columns' values ×
     /// 2^−120: each code sign-extended to 32 bits and shifted left by 20 has its magnitude bits at
     /// 20..27 and a copy of its sign at 31; the mask keeps those.
@@ -752,5 +822,38 @@ mod x86 {
         let r = _mm512_mask_blend_epi32(zero, normal, _mm512_set1_epi32(0x0040_0000));
         let r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0_0000));
         _mm512_castsi512_ps(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector E4M3 rounding of activations equals the scalar encoder's, bit for bit, over
+    /// ties, both sides of the subnormal boundary, the saturation, signed zeros and NaNs.
+    #[test]
+    fn token_codes_match_the_scalar_encoder() {
+        let mut v: Vec<f32> = Vec::new();
+        let mut x = 0x1234_5678u32;
+        for i in 0..4096 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            // Values spread over many binades, with an exact tie every so often.
+            let r = (x as f32 / u32::MAX as f32 - 0.5) * 2f32.powi((i % 40) - 20);
+            v.push(if i % 7 == 0 { (r * 64.0).round() / 64.0 } else { r });
+        }
+        v.extend([0.0, -0.0, 1.0 / 64.0, -1.0 / 64.0, 1.0 / 128.0, 0.017, 448.0, -448.0, 3.0, f32::NAN, 1e-30]);
+        v.extend((0..64).map(|k| (k as f32 + 0.5) / 512.0));
+        for (what, row) in [("mixed", v.clone()), ("with a huge value", [v.clone(), vec![3e30]].concat())] {
+            let mut want = vec![0f32; row.len()];
+            let mut got = vec![0f32; row.len()];
+            let ws = fp8_token_codes_scalar(&row, &mut want);
+            let gs = fp8_token_codes(&row, &mut got);
+            assert_eq!(gs.to_bits(), ws.to_bits(), "{what}: scale");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{what}[{i}] = {}: {g} vs {w}", row[i]);
+            }
+        }
     }
 }
