@@ -33,6 +33,10 @@ pub fn moe_route(logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing
 
 /// Tokens grouped by expert so each expert's weights are read once per step; one rayon job per
 /// active expert; the weighted sum runs in expert-id order so results do not depend on threading.
+///
+/// A call makes a fixed handful of allocations whatever the expert count: the grouping is a
+/// counting sort into flat arrays, every expert's outputs share one buffer, and each job's
+/// inputs and activations come from buffers kept per thread.
 pub fn moe_experts(
     experts: &[ExpertMatrices<'_>],
     first: usize,
@@ -46,41 +50,68 @@ pub fn moe_experts(
     let lat = e0.w1.cols();
     let tokens = z.len() / lat.max(1);
     assert_eq!(out.len(), tokens * lat, "moe_experts: out has {} values", out.len());
-    let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
-    for t in 0..tokens {
-        for j in 0..routing.top_k {
-            let k = t * routing.top_k + j;
-            // Experts another rank holds (expert parallelism) are its to add.
-            if let Some(e) = routing.ids[k].checked_sub(first).filter(|&e| e < experts.len()) {
-                by_expert[e].push((t, routing.weights[k]));
-            }
+    // Experts another rank holds (expert parallelism) are its to add.
+    let local = |k: usize| routing.ids[k].checked_sub(first).filter(|&e| e < experts.len());
+    let picks = tokens * routing.top_k;
+    // starts[e]..starts[e + 1]: expert e's (token, weight) rows, in token order.
+    let mut starts = vec![0usize; experts.len() + 1];
+    for k in 0..picks {
+        if let Some(e) = local(k) {
+            starts[e + 1] += 1;
         }
     }
-    let active: Vec<usize> = (0..experts.len()).filter(|&e| !by_expert[e].is_empty()).collect();
-    let partials: Vec<(usize, Vec<f32>)> = active
-        .par_iter()
-        .map(|&e| {
-            let rows = &by_expert[e];
-            let n = rows.len();
-            let mut zin = Vec::with_capacity(n * lat);
-            for &(t, _) in rows {
-                zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
-            }
-            let ex = &experts[e];
-            let inter = ex.w1.rows();
-            let mut a = vec![0f32; n * inter];
-            let mut u = vec![0f32; n * inter];
-            super::gemm::matmul(&ex.w1, &zin, n, &mut a);
-            super::gemm::matmul(&ex.w3, &zin, n, &mut u);
-            super::situ::situ_rows(&mut a, &u, act.beta, act.linear_beta);
-            let mut y = vec![0f32; n * ex.w2.rows()];
-            super::gemm::matmul(&ex.w2, &a, n, &mut y);
-            (e, y)
-        })
-        .collect();
-    for (e, y) in &partials {
-        for (i, &(t, w)) in by_expert[*e].iter().enumerate() {
+    for e in 0..experts.len() {
+        starts[e + 1] += starts[e];
+    }
+    let mut rows = vec![(0usize, 0f32); starts[experts.len()]];
+    let mut next = starts.clone();
+    for k in 0..picks {
+        if let Some(e) = local(k) {
+            rows[next[e]] = (k / routing.top_k, routing.weights[k]);
+            next[e] += 1;
+        }
+    }
+    // Each active expert's output rows, in one buffer split into disjoint parts.
+    let mut ys = vec![0f32; rows.len() * lat];
+    let mut jobs: Vec<(usize, &mut [f32])> = Vec::with_capacity(experts.len());
+    let mut rest = &mut ys[..];
+    for e in 0..experts.len() {
+        let (mine, tail) = rest.split_at_mut((starts[e + 1] - starts[e]) * lat);
+        if !mine.is_empty() {
+            jobs.push((e, mine));
+        }
+        rest = tail;
+    }
+    jobs.into_par_iter().for_each(|(e, y)| {
+        let mine = &rows[starts[e]..starts[e + 1]];
+        let n = mine.len();
+        let ex = &experts[e];
+        let inter = ex.w1.rows();
+        // Taken out of the thread's slot, not borrowed: a nested product may run another
+        // expert's job on this thread while this one waits.
+        let mut bufs = EXPERT_BUFS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        let [zin, a, u] = &mut bufs;
+        zin.clear();
+        for &(t, _) in mine {
+            zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
+        }
+        a.resize(n * inter, 0.0);
+        u.resize(n * inter, 0.0);
+        super::gemm::matmul(&ex.w1, zin, n, &mut a[..n * inter]);
+        super::gemm::matmul(&ex.w3, zin, n, &mut u[..n * inter]);
+        super::situ::situ_rows(&mut a[..n * inter], &u[..n * inter], act.beta, act.linear_beta);
+        super::gemm::matmul(&ex.w2, &a[..n * inter], n, y);
+        EXPERT_BUFS.with(|b| *b.borrow_mut() = bufs);
+    });
+    for e in 0..experts.len() {
+        let y = &ys[starts[e] * lat..starts[e + 1] * lat];
+        for (i, &(t, w)) in rows[starts[e]..starts[e + 1]].iter().enumerate() {
             axpy(w, &y[i * lat..(i + 1) * lat], &mut out[t * lat..(t + 1) * lat]);
         }
     }
+}
+
+thread_local! {
+    /// A routed-expert job's gathered inputs and its two activation buffers, kept per thread.
+    static EXPERT_BUFS: std::cell::RefCell<[Vec<f32>; 3]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
 }
