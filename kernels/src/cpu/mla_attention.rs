@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use super::disjoint::DisjointOut;
 use super::simd::{axpy, dot};
 use crate::backend::{PagedRows, Selection};
 
@@ -23,24 +24,30 @@ pub fn mla_attention(
     let tokens = rows.len();
     let width = q.len() / (tokens * heads).max(1);
     assert_eq!(ctx.len(), tokens * heads * rank, "mla_attention: ctx has {} values", ctx.len());
-    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..heads)
-        .into_par_iter()
-        .map(|hh| {
-            let mut out = vec![0f32; tokens * rank];
-            let mut lses = vec![f32::NEG_INFINITY; tokens];
-            let mut scores = Vec::new();
-            let mut cand = Vec::new();
-            for (t, &(seq, pos)) in rows.iter().enumerate() {
-                let cache = &caches[seq];
-                let qt = &q[(t * heads + hh) * width..(t * heads + hh + 1) * width];
-                cand.clear();
-                match selected {
-                    Some(sel) => cand.extend(sel[t].tokens.iter().copied().filter(|&s| cache.holds(s))),
-                    None => cand.extend((0..=pos).filter(|&s| cache.holds(s))),
-                }
-                if cand.is_empty() {
-                    continue;
-                }
+    if let Some(lse) = &lse {
+        assert_eq!(lse.len(), tokens * heads, "mla_attention: lse has {} values", lse.len());
+    }
+    // Each head's job writes its own (token, head) rows of ctx and entries of lse.
+    let ctx_out = DisjointOut::new(ctx);
+    let lse_out = lse.map(DisjointOut::new);
+    (0..heads).into_par_iter().for_each(|hh| {
+        // Taken out of the thread's slot, not borrowed (see `moe_experts`).
+        let (mut scores, mut cand) = SCRATCH.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        for (t, &(seq, pos)) in rows.iter().enumerate() {
+            let at = t * heads + hh;
+            // SAFETY: row `at` of ctx (rank values) belongs to this head's job; ctx holds
+            // tokens × heads × rank values (asserted).
+            let ct = unsafe { std::slice::from_raw_parts_mut(ctx_out.at(at * rank), rank) };
+            ct.fill(0.0);
+            let mut lse_t = f32::NEG_INFINITY;
+            let cache = &caches[seq];
+            let qt = &q[at * width..(at + 1) * width];
+            cand.clear();
+            match selected {
+                Some(sel) => cand.extend(sel[t].tokens.iter().copied().filter(|&s| cache.holds(s))),
+                None => cand.extend((0..=pos).filter(|&s| cache.holds(s))),
+            }
+            if !cand.is_empty() {
                 scores.clear();
                 scores.extend(cand.iter().map(|&s| dot(qt, cache.row(s)) * scale));
                 let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -49,26 +56,21 @@ pub fn mla_attention(
                     *s = (*s - m).exp();
                     z += *s;
                 });
-                lses[t] = m + z.ln();
-                let ct = &mut out[t * rank..(t + 1) * rank];
+                lse_t = m + z.ln();
                 for (&s, p) in cand.iter().zip(&scores) {
                     axpy(p / z, &cache.row(s)[..rank], ct);
                 }
             }
-            (out, lses)
-        })
-        .collect();
-    for (hh, (oh, _)) in per_head.iter().enumerate() {
-        for t in 0..tokens {
-            ctx[(t * heads + hh) * rank..(t * heads + hh + 1) * rank].copy_from_slice(&oh[t * rank..(t + 1) * rank]);
-        }
-    }
-    if let Some(lse) = lse {
-        assert_eq!(lse.len(), tokens * heads, "mla_attention: lse has {} values", lse.len());
-        for (hh, (_, lh)) in per_head.iter().enumerate() {
-            for t in 0..tokens {
-                lse[t * heads + hh] = lh[t];
+            if let Some(lse) = lse_out {
+                // SAFETY: entry `at` belongs to this head's job; lse holds tokens × heads (asserted).
+                unsafe { *lse.at(at) = lse_t };
             }
         }
-    }
+        SCRATCH.with(|b| *b.borrow_mut() = (scores, cand));
+    });
+}
+
+thread_local! {
+    /// A head's scores and candidate positions, kept per thread.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
