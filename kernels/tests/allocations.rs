@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kimi_kernels::cpu::mxfp4::quantize_row;
 use kimi_kernels::{
-    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, Matrix, Mxfp4Matrix, PagedRows, Routing, SituParams,
+    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, PagedRows,
+    Routing, SeqSpan, SituParams,
 };
 
 struct Counting;
@@ -36,15 +37,19 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// The count is global (the kernels' rayon workers allocate too), so tests take turns.
+/// The count is global (the kernels' rayon workers allocate too), so tests take turns, each
+/// holding its turn from its first allocation to its last.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Allocations of one run of `f`: the fewest over five runs after three warm-up runs. A rayon
 /// worker that ran no job in the warm-ups fills its per-thread buffers later, and the pool may
 /// allocate for its own bookkeeping now and then; an allocation a call makes every time shows in
 /// every run.
 fn allocations_of(mut f: impl FnMut()) -> usize {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..3 {
         f();
     }
@@ -111,6 +116,7 @@ fn moe_allocations(experts: usize) -> usize {
 
 #[test]
 fn routed_experts_allocate_the_same_few_buffers_for_any_expert_count() {
+    let _turn = turn();
     let (few, many) = (moe_allocations(2), moe_allocations(16));
     assert!(many <= 12, "16 experts: {many} allocations in a call");
     assert_eq!(few, many, "allocations grow with the expert count: 2 experts {few}, 16 experts {many}");
@@ -140,6 +146,34 @@ fn mla_allocations(heads: usize) -> usize {
 
 #[test]
 fn mla_heads_allocate_nothing_per_head() {
+    let _turn = turn();
     let (few, many) = (mla_allocations(2), mla_allocations(16));
+    assert_eq!(few, many, "allocations grow with the head count: 2 heads {few}, 16 heads {many}");
+}
+
+/// Allocations of one KDA decode step of two sequences over `heads` heads of width 128.
+fn kda_decode_allocations(heads: usize) -> usize {
+    let (k, seqs) = (128, 2);
+    let width = heads * k;
+    let a_exp = values(heads, 8).iter().map(|v| v.abs() + 0.5).collect::<Vec<f32>>();
+    let dt_bias = values(width, 9);
+    let p = KdaParams { heads, head_dim: k, a_exp: &a_exp, dt_bias: &dt_bias, lower_bound: -5.0 };
+    let (q, kk, v, z) =
+        (values(seqs * width, 10), values(seqs * width, 11), values(seqs * width, 12), values(seqs * width, 13));
+    let beta_logits = values(seqs * heads, 14);
+    let x = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta_logits };
+    let spans: Vec<SeqSpan> = (0..seqs).map(|s| SeqSpan { start: s, len: 1, pos: 10 }).collect();
+    let mut states = vec![vec![0f32; heads * k * k]; seqs];
+    let mut out = vec![0f32; seqs * width];
+    allocations_of(|| {
+        let mut slots: Vec<KdaSlot<'_>> = states.iter_mut().map(|s| KdaSlot::new(s)).collect();
+        CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut out);
+    })
+}
+
+#[test]
+fn kda_decode_allocates_nothing_per_head() {
+    let _turn = turn();
+    let (few, many) = (kda_decode_allocations(2), kda_decode_allocations(16));
     assert_eq!(few, many, "allocations grow with the head count: 2 heads {few}, 16 heads {many}");
 }

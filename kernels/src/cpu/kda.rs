@@ -19,28 +19,42 @@ pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], b
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 && state.len() == dk * dv && q.len() == dk && g.len() == dk && out.len() == dv
     {
-        let decay: Vec<f32> = g.iter().map(|x| x.exp()).collect();
-        let kq = dot(k, q);
-        // SAFETY: the level was detected at run time and every length was checked above.
-        unsafe { x86::step_avx512(state, q, k, v, &decay, beta, kq, out) };
-        return;
+        return with_tmp(dk, |decay| {
+            decay.iter_mut().zip(g).for_each(|(d, x)| *d = x.exp());
+            let kq = dot(k, q);
+            // SAFETY: the level was detected at run time and every length was checked above.
+            unsafe { x86::step_avx512(state, q, k, v, decay, beta, kq, out) };
+        });
     }
-    // pred = S_decᵀ k and read = S_decᵀ q, in one pass over the decayed rows.
-    let mut pred = vec![0f32; dv];
-    out.fill(0.0);
-    for j in 0..dk {
-        let row = &mut state[j * dv..(j + 1) * dv];
-        let d = g[j].exp();
-        row.iter_mut().for_each(|s| *s *= d);
-        axpy(k[j], row, &mut pred);
-        axpy(q[j], row, out);
+    with_tmp(dv, |pred| {
+        // pred = S_decᵀ k and read = S_decᵀ q, in one pass over the decayed rows.
+        out.fill(0.0);
+        for j in 0..dk {
+            let row = &mut state[j * dv..(j + 1) * dv];
+            let d = g[j].exp();
+            row.iter_mut().for_each(|s| *s *= d);
+            axpy(k[j], row, pred);
+            axpy(q[j], row, out);
+        }
+        // e = v − pred (in place); S += β k eᵀ; o = S_decᵀ q + β (k·q) e.
+        let err = pred;
+        err.iter_mut().zip(v).for_each(|(e, a)| *e = beta * (a - *e));
+        for j in 0..dk {
+            axpy(k[j], err, &mut state[j * dv..(j + 1) * dv]);
+        }
+        axpy(dot(k, q), err, out);
+    })
+}
+
+/// Runs `f` on `n` zeroed floats: on the stack up to 256 (K3's heads are 128 wide), so a decode
+/// step allocates nothing per head; on the heap beyond.
+fn with_tmp<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if n <= 256 {
+        let mut a = [0f32; 256];
+        f(&mut a[..n])
+    } else {
+        f(&mut vec![0f32; n])
     }
-    // e = v − pred; S += β k eᵀ; o = S_decᵀ q + β (k·q) e.
-    let err: Vec<f32> = v.iter().zip(&pred).map(|(a, b)| beta * (a - b)).collect();
-    for j in 0..dk {
-        axpy(k[j], &err, &mut state[j * dv..(j + 1) * dv]);
-    }
-    axpy(dot(k, q), &err, out);
 }
 
 /// Scratch reused across chunks and heads by one thread.

@@ -49,7 +49,7 @@ pub fn kda_recurrence(
     assert!(out.len() >= tokens * width, "kda_recurrence: out has {} values", out.len());
     // One job per (sequence, head): the head's matrix and its part of every snapshot.
     type Job<'a> = (SeqSpan, usize, &'a mut [f32], Vec<&'a mut [f32]>);
-    let mut jobs: Vec<Job<'_>> = Vec::new();
+    let mut jobs: Vec<Job<'_>> = Vec::with_capacity(spans.len() * h);
     for (span, slot) in spans.iter().zip(slots.iter_mut()).filter(|(span, _)| span.len > 0) {
         let snaps = &mut slot.after_token;
         assert!(
