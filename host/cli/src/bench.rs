@@ -73,6 +73,8 @@ pub struct BatchRun {
     /// Collectives one rank makes in a decode step (0 at TP 1) and the bytes it sends in them.
     pub collectives_per_step: f64,
     pub comm_bytes_per_step: f64,
+    /// Heap allocations per decode step (the `kimi-host` binary counts them; `None` elsewhere).
+    pub allocations_per_step: Option<f64>,
 }
 
 /// Best-of-3 multithreaded read bandwidth over a buffer of `bytes`.
@@ -228,7 +230,7 @@ fn decode_batch(
     prompt_len: usize,
     batch: usize,
     decode: usize,
-) -> Result<(f64, OpTimes, kimi_kernels::CommStats), ModelError> {
+) -> Result<(f64, OpTimes, kimi_kernels::CommStats, Option<f64>), ModelError> {
     let c = model.text_config();
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(c.vocab_size, prompt_len, i as u64)).collect();
     let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
@@ -242,6 +244,8 @@ fn decode_batch(
     }
     let mut times = OpTimes::default();
     let comm_before = model.comm_stats();
+    crate::alloc_count::start_counting();
+    let allocs_before = crate::alloc_count::allocations();
     let t = Instant::now();
     for _ in 0..decode {
         let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
@@ -253,7 +257,12 @@ fn decode_batch(
         next = model.forward_batch_profiled(&mut inputs, &mut times)?.iter().map(|l| argmax(l) as u32).collect();
     }
     let secs = t.elapsed().as_secs_f64();
-    Ok((secs, times, model.comm_stats().since(&comm_before)))
+    // The step's own allocations and the bench's per-step id vectors (two a step).
+    // None where nothing was counted (the allocator is not installed): the bench's own id
+    // vectors alone allocate every step.
+    let counted = crate::alloc_count::allocations() - allocs_before;
+    let allocs = (counted > 0 && decode > 0).then(|| counted as f64 / decode as f64);
+    Ok((secs, times, model.comm_stats().since(&comm_before), allocs))
 }
 
 pub fn bench_forward(
@@ -291,7 +300,7 @@ pub fn bench_forward(
     let mut runs: Vec<BatchRun> = Vec::new();
     for &b in batches {
         let b = b.max(1);
-        let (secs, times, comm) = decode_batch(&model, prompt.len(), b, decode)?;
+        let (secs, times, comm, allocs) = decode_batch(&model, prompt.len(), b, decode)?;
         let per_step = |x: u64| if decode > 0 && par.tensor > 1 { x as f64 / decode as f64 } else { 0.0 };
         let tps = if decode > 0 { (b * decode) as f64 / secs } else { 0.0 };
         let bytes = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, b)) as u64;
@@ -312,6 +321,7 @@ pub fn bench_forward(
             op_shares: times.shares().into_iter().map(|(k, v)| (k.name(), v)).collect(),
             collectives_per_step: per_step(comm.collectives()),
             comm_bytes_per_step: per_step(comm.bytes_sent),
+            allocations_per_step: allocs,
         });
     }
     let first = &runs[0];
@@ -396,6 +406,11 @@ impl std::fmt::Display for ForwardBench {
         }
         for r in &self.batches {
             writeln!(f, "  batch {:>3} time shares: {}", r.batch, shares_text(&r.op_shares))?;
+        }
+        for r in &self.batches {
+            if let Some(a) = r.allocations_per_step {
+                writeln!(f, "  batch {:>3}: {a:.0} heap allocations a decode step", r.batch)?;
+            }
         }
         if self.tensor_parallel > 1 {
             writeln!(f, "tensor parallel {}: per rank and decode step", self.tensor_parallel)?;

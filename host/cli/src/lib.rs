@@ -2,6 +2,7 @@
 //! baseline measured in the same run) and `inspect`. Kept out of the `kimi-host` library so the
 //! server does not link the native baselines (`kimi-sampling-core`, `kimi-xtml`).
 
+pub mod alloc_count;
 pub mod bench;
 pub mod bench_plugins;
 pub mod bench_serve;

@@ -552,6 +552,10 @@ fn serve(config: Option<PathBuf>, model: Option<PathBuf>, listen: Option<String>
     Ok(())
 }
 
+/// Counts allocations for `bench forward`'s per-step figure; otherwise the system allocator.
+#[global_allocator]
+static ALLOC: kimi_host_cli::alloc_count::CountingAlloc = kimi_host_cli::alloc_count::CountingAlloc;
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let serving = matches!(cli.command, Command::Serve { .. });
