@@ -14,19 +14,25 @@ pub fn moe_route(logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing
     let mut ids = Vec::with_capacity(tokens * p.top_k);
     let mut weights = Vec::with_capacity(tokens * p.top_k);
     let mut margins = Vec::with_capacity(tokens);
+    // Reused by every token of the call.
+    let (mut sel, mut order) = (Vec::with_capacity(e), Vec::with_capacity(e));
     for t in 0..tokens {
         let s = &scores[t * e..(t + 1) * e];
-        let sel: Vec<f32> = s.iter().zip(p.bias).map(|(a, b)| a + b).collect();
-        let mut order: Vec<usize> = (0..e).collect();
-        order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
+        sel.clear();
+        sel.extend(s.iter().zip(p.bias).map(|(a, b)| a + b));
+        order.clear();
+        order.extend(0..e);
+        // A total order (ties to the lower id), so the in-place unstable sort gives the stable
+        // one's result without its buffer.
+        order.sort_unstable_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
         margins.push(if p.top_k < e { sel[order[p.top_k - 1]] - sel[order[p.top_k]] } else { f32::NAN });
-        order.truncate(p.top_k);
-        let sum: f32 = order.iter().map(|&i| s[i]).sum::<f32>() + 1e-20;
-        for &i in &order {
+        let chosen = &order[..p.top_k.min(e)];
+        let sum: f32 = chosen.iter().map(|&i| s[i]).sum::<f32>() + 1e-20;
+        for &i in chosen {
             let w = if p.renormalize { s[i] / sum } else { s[i] };
             weights.push(w * p.scaling);
         }
-        ids.extend(order);
+        ids.extend_from_slice(chosen);
     }
     Routing { ids, weights, scores, margins, top_k: p.top_k }
 }
