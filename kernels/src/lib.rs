@@ -19,7 +19,7 @@ pub use comm::{CommStats, Communicator, ThreadComm};
 pub use cpu::backend::CpuBackend;
 /// Storage-format encoders (for writing checkpoints, e.g. the embedded tiny model).
 pub use cpu::bf16::f32_to_bf16_bits;
-pub use cpu::mxfp4::quantize_row as mxfp4_quantize_row;
+pub use cpu::mxfp4::{quantize_row as mxfp4_quantize_row, quantize_rows as mxfp4_quantize_rows};
 
 pub use cpu::bf16::Bf16Matrix;
 pub use cpu::fp8::{Fp8Matrix, f32_to_e4m3, quantize_rows as fp8_quantize_rows};

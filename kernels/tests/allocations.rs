@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kimi_kernels::cpu::mxfp4::quantize_row;
+use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, ExpertMatrices, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, PagedRows,
     Routing, SeqSpan, SituParams,
@@ -81,15 +81,7 @@ fn moe_allocations(experts: usize) -> usize {
     let mut stores = Vec::new();
     for e in 0..experts {
         let w13 = values(inter * lat, e as u32);
-        let mut packed = vec![0u8; inter * lat / 2];
-        let mut scales = vec![0u8; inter * lat / 32];
-        for r in 0..inter {
-            quantize_row(
-                &w13[r * lat..(r + 1) * lat],
-                &mut packed[r * lat / 2..(r + 1) * lat / 2],
-                &mut scales[r * lat / 32..(r + 1) * lat / 32],
-            );
-        }
+        let (packed, scales) = quantize_rows(&w13, inter, lat);
         let w2: Vec<u16> =
             values(lat * inter, 100 + e as u32).iter().map(|&v| kimi_kernels::f32_to_bf16_bits(v)).collect();
         stores.push((packed, scales, w2));

@@ -6,7 +6,7 @@
 mod common;
 
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
-use kimi_kernels::cpu::mxfp4::quantize_row;
+use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix,
     PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams,
@@ -49,17 +49,11 @@ impl Weights {
     fn new(rng: &mut StdRng, rows: usize, cols: usize) -> Weights {
         let f32 = randn(rng, rows * cols);
         let bf16 = f32.iter().map(|&v| f32_to_bf16_bits(v)).collect();
-        let mut packed = vec![0u8; rows * cols / 2];
-        let mut scales = vec![0u8; rows * cols / 32];
-        if cols.is_multiple_of(32) {
-            for r in 0..rows {
-                quantize_row(
-                    &f32[r * cols..(r + 1) * cols],
-                    &mut packed[r * cols / 2..(r + 1) * cols / 2],
-                    &mut scales[r * cols / 32..(r + 1) * cols / 32],
-                );
-            }
-        }
+        let (packed, scales) = if cols.is_multiple_of(32) {
+            quantize_rows(&f32, rows, cols)
+        } else {
+            (vec![0u8; rows * cols / 2], vec![0u8; rows * cols / 32])
+        };
         let mut w = Weights { bf16, f32, packed, scales, packs: Vec::new(), rows, cols };
         w.packs.extend(PackedMatrix::pack(&Matrix::Bf16(Bf16Matrix::new(&w.bf16, rows, cols))));
         if cols.is_multiple_of(32) {
@@ -168,6 +162,11 @@ fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
     }
 }
 
+/// `acc = fma(w[c], x[c], acc)` over the columns in order from 0: a packed product's definition.
+fn fused_chain(w: &[f32], x: &[f32]) -> f32 {
+    w.iter().zip(x).fold(0f32, |acc, (w, x)| w.mul_add(*x, acc))
+}
+
 /// A packed product is defined bit for bit: each output is `acc = fma(W[r, c], x[c], acc)` over
 /// the columns in order from 0. Checked against that chain written out here, at every SIMD level
 /// (so AVX-512, AVX2 and scalar machines give the same bits), and the packed rows unpack to the
@@ -188,7 +187,7 @@ fn packed_products_are_one_fused_chain_per_output() {
             CpuBackend.matmul(&m, &x, tokens, &mut out);
             for t in 0..tokens {
                 for r in 0..rows {
-                    let want = (0..cols).fold(0f32, |acc, c| values[r * cols + c].mul_add(x[t * cols + c], acc));
+                    let want = fused_chain(&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
                     let got = out[t * rows + r];
                     assert_eq!(
                         got.to_bits(),
@@ -225,7 +224,7 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
             CpuBackend.matmul(&m, &x, tokens, &mut out);
             for t in 0..tokens {
                 for r in 0..rows {
-                    let want = (0..cols).fold(0f32, |acc, c| values[r * cols + c].mul_add(x[t * cols + c], acc));
+                    let want = fused_chain(&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
                     let got = out[t * rows + r];
                     if case == "nan" && r == 5 {
                         assert!(got.is_nan(), "{case}: token {t} of {tokens}: row 5 is {got}");

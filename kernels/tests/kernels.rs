@@ -5,7 +5,7 @@ mod common;
 
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::kda::{kda_prefill, kda_step};
-use kimi_kernels::cpu::mxfp4::quantize_row;
+use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{Bf16Matrix, F32Matrix, Matrix, Mxfp4Matrix};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -68,15 +68,7 @@ fn mxfp4_matmul_matches_its_dequantisation() {
     let mut rng = StdRng::seed_from_u64(3);
     for &(rows, cols) in &[(5, 32), (67, 96), (600, 256)] {
         let wf = randn(&mut rng, rows * cols);
-        let mut packed = vec![0u8; rows * cols / 2];
-        let mut scales = vec![0u8; rows * cols / 32];
-        for r in 0..rows {
-            quantize_row(
-                &wf[r * cols..(r + 1) * cols],
-                &mut packed[r * cols / 2..(r + 1) * cols / 2],
-                &mut scales[r * cols / 32..(r + 1) * cols / 32],
-            );
-        }
+        let (packed, scales) = quantize_rows(&wf, rows, cols);
         let mx = Mxfp4Matrix::new(&packed, &scales, rows, cols);
         let deq = mx.to_f32();
         // Quantisation keeps every value within a quarter of its group's scale of the original.

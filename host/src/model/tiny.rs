@@ -13,7 +13,7 @@ use rand_distr::StandardNormal;
 use safetensors::{Dtype as StDtype, tensor::TensorView};
 use serde_json::{Value, json};
 
-use kimi_kernels::{f32_to_bf16_bits, mxfp4_quantize_row as quantize_row};
+use kimi_kernels::{f32_to_bf16_bits, mxfp4_quantize_rows};
 
 use super::checkpoint::Dtype;
 use super::config::{TextConfig, parse_config};
@@ -212,15 +212,7 @@ pub fn write_random_checkpoint(out: &Path, config_json: &Value, seed: u64, mxfp4
         let values = init_values(&mut rng, name, shape, kda_heads);
         if *packed {
             let (rows, cols) = (shape[0], shape[1]);
-            let mut p = vec![0u8; rows * cols / 2];
-            let mut s = vec![0u8; rows * cols / 32];
-            for r in 0..rows {
-                quantize_row(
-                    &values[r * cols..(r + 1) * cols],
-                    &mut p[r * cols / 2..(r + 1) * cols / 2],
-                    &mut s[r * cols / 32..(r + 1) * cols / 32],
-                );
-            }
+            let (p, s) = mxfp4_quantize_rows(&values, rows, cols);
             let base = name.trim_end_matches(".weight");
             buffers.push((format!("{base}.weight_packed"), StDtype::U8, vec![rows, cols / 2], p));
             buffers.push((format!("{base}.weight_scale"), StDtype::U8, vec![rows, cols / 32], s));

@@ -151,6 +151,21 @@ pub fn quantize_row(row: &[f32], packed: &mut [u8], scales: &mut [u8]) {
     }
 }
 
+/// [`quantize_row`] over every row of `[rows, cols]` values (`cols` a multiple of 32): the packed
+/// codes `[rows, cols / 2]` and the scales `[rows, cols / 32]`.
+pub fn quantize_rows(values: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut packed = vec![0u8; rows * cols / 2];
+    let mut scales = vec![0u8; rows * cols / GROUP];
+    for r in 0..rows {
+        quantize_row(
+            &values[r * cols..(r + 1) * cols],
+            &mut packed[r * cols / 2..(r + 1) * cols / 2],
+            &mut scales[r * cols / GROUP..(r + 1) * cols / GROUP],
+        );
+    }
+    (packed, scales)
+}
+
 fn nearest_code(v: f32) -> u8 {
     let mut best = 0u8;
     let mut best_err = f32::INFINITY;
