@@ -307,6 +307,9 @@ struct ServeOverrides {
     /// Draft tokens verified per step (sets `num_speculative_tokens`; default 4).
     #[arg(long)]
     num_speculative_tokens: Option<usize>,
+    /// How drafts are chosen: sampled or greedy (sets `speculative_drafts`; default sampled).
+    #[arg(long, value_parser = ["sampled", "greedy"])]
+    speculative_drafts: Option<String>,
     /// Cache prompt prefixes (sets `engine.prefix_cache`).
     #[arg(long)]
     prefix_cache: bool,
@@ -515,6 +518,13 @@ fn server_state(
     }
     if over.num_speculative_tokens.is_some() {
         cfg.num_speculative_tokens = over.num_speculative_tokens;
+    }
+    if let Some(d) = &over.speculative_drafts {
+        cfg.speculative_drafts = Some(if d == "greedy" {
+            kimi_host::engine::DraftMode::Greedy
+        } else {
+            kimi_host::engine::DraftMode::Sampled
+        });
     }
     cfg.engine.prefix_cache |= over.prefix_cache;
     cfg.validate()?;

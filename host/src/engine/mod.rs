@@ -53,17 +53,44 @@ pub struct EngineConfig {
 }
 
 /// A draft that proposes `tokens` tokens a step for every decoding sequence; the target verifies
-/// them inside the normal batched step (see `step.rs`: sample-and-match keeps the output exactly
-/// the non-speculative one).
+/// them inside the normal batched step (see `step.rs`). Either way the output follows exactly
+/// the distribution of non-speculative sampling.
 #[derive(Clone)]
 pub struct Speculation {
     pub draft: Arc<DsparkDraft>,
     pub tokens: usize,
+    pub drafts: DraftMode,
+}
+
+impl Speculation {
+    /// Speculation with sampled drafts where the sampler allows it.
+    pub fn new(draft: Arc<DsparkDraft>, tokens: usize) -> Speculation {
+        Speculation { draft, tokens, drafts: DraftMode::Sampled }
+    }
+}
+
+/// How drafts are chosen and verified.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftMode {
+    /// Drawn from the sequence's sampler's own distribution over the draft's (masked) rows and
+    /// verified by standard rejection sampling — for samplers that describe their
+    /// distributions (`speculation` export); others fall back to `Greedy`.
+    #[default]
+    Sampled,
+    /// The draft's argmax walk (ATOM's default), verified by sample-and-match: each row is
+    /// sampled by the sequence's sampler while the previous row emitted the draft, so the
+    /// emitted tokens are the very tokens non-speculative decoding would emit for the seed.
+    Greedy,
 }
 
 impl std::fmt::Debug for Speculation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Speculation").field("draft_layers", &self.draft.layers()).field("tokens", &self.tokens).finish()
+        f.debug_struct("Speculation")
+            .field("draft_layers", &self.draft.layers())
+            .field("tokens", &self.tokens)
+            .field("drafts", &self.drafts)
+            .finish()
     }
 }
 

@@ -58,6 +58,24 @@ pub trait Sampler: Send {
     ) -> Result<SamplerSeq, SamplerError>;
     /// A token (or that row's failure) for each (sequence, logits row) of this step.
     fn sample(&mut self, rows: &[(SamplerSeq, &[f32])]) -> Vec<Result<u32, SamplerError>>;
+    /// Whether [`Sampler::distributions`] can answer, so speculative decoding may draw drafts
+    /// from the sampler's own distribution (otherwise drafts are greedy and matched).
+    fn describes_distributions(&self) -> bool {
+        false
+    }
+    /// What `sample` would draw each row's token from, as whole-vocabulary probabilities
+    /// (masked tokens 0), without changing `seq` or drawing from its randomness. `rows[i]` is
+    /// (how many of `drafts` come before that row, the row's logits): the row scores the token
+    /// after `seq`'s accepted tokens and those drafts. `Ok(None)`: not for these rows (the
+    /// engine falls back to `sample`).
+    fn distributions(
+        &mut self,
+        _seq: SamplerSeq,
+        _drafts: &[u32],
+        _rows: &[(usize, &[f32])],
+    ) -> Result<Option<Vec<Vec<f32>>>, SamplerError> {
+        Ok(None)
+    }
     /// The token the engine kept for `seq`.
     fn accept(&mut self, seq: SamplerSeq, token: u32);
     /// Frees `seq` (finished, cancelled or failed).

@@ -13,6 +13,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::pool::{Reservation, StatePool};
 use super::prefix::{BLOCK_TOKENS, PrefixCache};
 use super::sampler::{SamplerError, SamplerSeq, SharedSampler};
+use super::speculative::{DraftProbs, argmax, sample_with_uniform, verify_rejection};
 use super::{
     Command, EngineConfig, EngineError, EngineStats, FaultPoint, FinishReason, GenRequest, Pending, SeqEvent,
     TokenLogprob,
@@ -23,6 +24,8 @@ use crate::model::dspark::DraftCache;
 use crate::model::vision::{MAX_PATCHES_PER_CALL, VisionInput};
 use crate::model::{LogitsFor, Model, SeqInput, SequenceState, StateArenas};
 use kimi_kernels::cpu::reduce::{log_sum_exp, top_k};
+use kimi_sampling_core::Rng;
+use llguidance::toktrie::SimpleVob;
 
 /// One generated sequence of a running request.
 struct Seq {
@@ -50,9 +53,32 @@ struct SpecSeq {
     aux: Vec<f32>,
     /// `generated` before this step.
     generated_before: usize,
+    /// This round's drafts' distributions, `[drafts, V]`, when they were drawn from the
+    /// sequence's sampler's distributions (verified by rejection sampling); `None` for greedy
+    /// drafts (verified by sample-and-match).
+    q: Option<Vec<f32>>,
+    /// The constraint's masks at rows 0..=drafts of this round (constrained sampled rounds;
+    /// `None` past a stop token).
+    masks: Vec<Option<SimpleVob>>,
+    /// The engine's own draws for sampled drafts and their acceptance tests.
+    rng: Rng,
 }
 
 impl SpecSeq {
+    fn new(cache: DraftCache, pending: Vec<f32>, seed: u64) -> SpecSeq {
+        SpecSeq {
+            cache,
+            pending,
+            ids: Vec::new(),
+            aux: Vec::new(),
+            generated_before: 0,
+            q: None,
+            masks: Vec::new(),
+            // Not the sampler's stream (the sampler has its own, seeded with `seed`).
+            rng: Rng::new(seed ^ 0x5eed_d4af_7000_0001),
+        }
+    }
+
     fn drafts(&self) -> &[u32] {
         self.ids.get(1..).unwrap_or(&[])
     }
@@ -102,6 +128,9 @@ struct Verify {
     run: usize,
     seq: usize,
     logits: Vec<f32>,
+    /// Drafts drawn from the sampler's distributions: verified by rejection sampling, row 0
+    /// included (it is not sampled with the step's other rows).
+    sampled: bool,
 }
 
 /// A row to sample: (request, sequence) and its logits.
@@ -401,9 +430,7 @@ impl Worker {
         // Sequence 0 reads the prompt's aux rows into its draft context; forks share its pages.
         let mut spec0 = match &self.config.speculation {
             Some(sp) => match hit_draft.map_or_else(|| sp.draft.new_cache(&self.arenas.pages), Ok) {
-                Ok(cache) => {
-                    Some(SpecSeq { cache, pending: Vec::new(), ids: Vec::new(), aux: Vec::new(), generated_before: 0 })
-                }
+                Ok(cache) => Some(SpecSeq::new(cache, Vec::new(), req.sampling.seed)),
                 Err(e) => {
                     let mut sampler = req.sampling.sampler.lock().unwrap_or_else(|e| e.into_inner());
                     for h in handles {
@@ -583,10 +610,15 @@ impl Worker {
                 for (entry, logits) in entries.iter().zip(outputs) {
                     match entry.seq {
                         Some(seq) if entry.tokens > 1 => {
-                            // A verify: row 0 is sampled with the others, the rest while they match.
+                            // A verify of greedy drafts: row 0 is sampled with the others, the
+                            // rest while they match. Sampled drafts: every row in `verify`.
                             let v = self.model.text_config().vocab_size;
-                            rows.push(Row { run: entry.run, seq, logits: logits[..v].to_vec() });
-                            verifies.push(Verify { run: entry.run, seq, logits });
+                            let sampled =
+                                self.running[entry.run].seqs[seq].spec.as_ref().is_some_and(|sp| sp.q.is_some());
+                            if !sampled {
+                                rows.push(Row { run: entry.run, seq, logits: logits[..v].to_vec() });
+                            }
+                            verifies.push(Verify { run: entry.run, seq, logits, sampled });
                         }
                         Some(seq) => {
                             // A speculating sequence that proposed nothing this step: its one
@@ -643,13 +675,11 @@ impl Worker {
                                         Err(e) => failures.push((entry.run, None, e)),
                                     }
                                 }
+                                let seed = r.req.sampling.seed;
                                 for s in rest {
-                                    s.spec = first[0].spec.as_ref().map(|sp| SpecSeq {
-                                        cache: sp.cache.clone(),
-                                        pending: sp.pending.clone(),
-                                        ids: Vec::new(),
-                                        aux: Vec::new(),
-                                        generated_before: 0,
+                                    s.spec = first[0].spec.as_ref().map(|sp| {
+                                        let seed = seed.wrapping_add(s.index as u64);
+                                        SpecSeq::new(sp.cache.clone(), sp.pending.clone(), seed)
                                     });
                                     match first[0].state.fork() {
                                         Ok(st) => s.state = st,
@@ -814,50 +844,156 @@ impl Worker {
             return;
         }
         let model = self.model.clone();
-        let proposed = contain(|| sp.draft.propose(&model, &mut caches, &pending, &anchors, &counts));
+        let blocks = contain(|| sp.draft.draft_blocks(&model, &mut caches, &pending, &anchors, &counts));
         drop((caches, pending));
-        match proposed {
-            Ok(drafts) => {
-                for ((ri, si), (anchor, drafts)) in who.into_iter().zip(anchors.into_iter().zip(drafts)) {
-                    if let Some(spec) = self.running[ri].seqs[si].spec.as_mut() {
-                        spec.pending.clear();
-                        spec.ids.push(anchor);
-                        spec.ids.extend(drafts);
-                    }
-                }
-            }
+        let blocks = match blocks {
+            Ok(b) => b,
             Err(e) => {
                 for (ri, si) in who {
                     failures.push((ri, Some(si), EngineError::Fault(format!("draft: {e}"))));
                 }
+                return;
+            }
+        };
+        // Each walk draws from its sequence's sampler where the sampler describes its
+        // distributions; otherwise (or once it declines) it takes the draft's argmax.
+        let mut walks: Vec<SampledWalk> = who
+            .iter()
+            .map(|&(ri, si)| {
+                let r = &mut self.running[ri];
+                let sampler = r.req.sampling.sampler.clone();
+                let sampled = sp.drafts == super::DraftMode::Sampled
+                    && sampler.lock().unwrap_or_else(|e| e.into_inner()).describes_distributions();
+                let s = &mut r.seqs[si];
+                SampledWalk {
+                    on: sampled && s.sampler_seq.is_some(),
+                    sampler,
+                    seq: s.sampler_seq,
+                    lookahead: if sampled { s.matcher.clone() } else { None },
+                    rng: s.spec.as_mut().map_or_else(|| Rng::new(0), |sp| std::mem::replace(&mut sp.rng, Rng::new(0))),
+                    q: Vec::new(),
+                    masks: Vec::new(),
+                    ended: false,
+                }
+            })
+            .collect();
+        let stops: Vec<&[u32]> = who.iter().map(|&(ri, _)| self.running[ri].req.stop_tokens.as_slice()).collect();
+        let drafts = contain(|| {
+            Ok(sp
+                .draft
+                .walk_with(model.backend(), &blocks, |b, before, logits| walks[b].pick(before, logits, stops[b])))
+        });
+        drop(stops);
+        let drafts = match drafts {
+            Ok(d) => d,
+            Err(e) => {
+                for ((ri, si), w) in who.into_iter().zip(walks) {
+                    if let Some(spec) = self.running[ri].seqs[si].spec.as_mut() {
+                        spec.rng = w.rng;
+                    }
+                    failures.push((ri, Some(si), EngineError::Fault(format!("draft: {e}"))));
+                }
+                return;
+            }
+        };
+        for (((ri, si), (anchor, drafts)), mut w) in who.into_iter().zip(anchors.into_iter().zip(drafts)).zip(walks) {
+            if w.on && !drafts.is_empty() && !w.ended && w.lookahead.is_some() {
+                // The mask of the row after the last draft (the bonus row).
+                w.masks.push(w.lookahead.as_mut().and_then(|m| m.mask().ok()));
+            }
+            if let Some(spec) = self.running[ri].seqs[si].spec.as_mut() {
+                spec.pending.clear();
+                spec.ids.push(anchor);
+                spec.q = (w.on && !drafts.is_empty()).then_some(w.q);
+                spec.masks = w.masks;
+                spec.rng = w.rng;
+                spec.ids.extend(drafts);
             }
         }
     }
 
-    /// Speculative rows past the first: sample-and-match. Row j of a verify is sampled (masked,
-    /// through the sequence's own sampler, as any row) only if the token emitted from row j − 1
-    /// is draft j; the first mismatch is itself the emitted token. Every emitted token is thus
-    /// exactly what non-speculative decoding would emit — same rows, same sampler state, same
-    /// random draws — at any temperature and with any sampler or grammar; accepted drafts only
-    /// save target steps. Then each sequence keeps the verified rows of its emitted tokens: the
+    /// Sampled drafts: every row of a sampled round (0..=drafts) is verified here, by standard
+    /// rejection sampling against the rows the drafts were drawn from (`SpecSeq::q`), with the
+    /// target's rows masked as the drafts' were and described by the same sampler — so the
+    /// emitted tokens follow the sampler's distribution over the target's rows exactly. The
+    /// emitted tokens (accepted drafts, then a correction or a bonus) go out one by one, as
+    /// sampled rows do. Returns false when the sampler declines to describe the rows: the caller
+    /// then verifies the round by sample-and-match (exact for any drafts).
+    fn verify_sampled(&mut self, ver: &Verify) -> bool {
+        let v = self.model.text_config().vocab_size;
+        let Some(r) = self.running.get_mut(ver.run) else { return true };
+        let want_logprobs = r.req.logprobs.is_some();
+        let sampler = r.req.sampling.sampler.clone();
+        let s = &mut r.seqs[ver.seq];
+        let (Some(sp), Some(h), false) = (s.spec.as_mut(), s.sampler_seq, s.done) else { return true };
+        let Some(q) = sp.q.take() else { return false };
+        let drafts = sp.drafts().to_vec();
+        let t = drafts.len();
+        let mut rows: Vec<Vec<f32>> = (0..=t).map(|j| ver.logits[j * v..(j + 1) * v].to_vec()).collect();
+        let raw = want_logprobs.then(|| rows.clone());
+        for (row, mask) in rows.iter_mut().zip(&sp.masks) {
+            if let Some(mask) = mask {
+                apply_mask(mask, row);
+            }
+        }
+        let uniforms: Vec<f32> = (0..=t).map(|_| uniform(&mut sp.rng)).collect();
+        let refs: Vec<(usize, &[f32])> = rows.iter().enumerate().map(|(j, r)| (j, r.as_slice())).collect();
+        let p = sampler.lock().unwrap_or_else(|e| e.into_inner()).distributions(h, &drafts, &refs);
+        let target = match p {
+            Ok(Some(p)) if p.len() == t + 1 && p.iter().all(|row| row.len() == v) => p.concat(),
+            Ok(_) => return false,
+            Err(e) => {
+                self.fail(ver.run, Some(ver.seq), EngineError::Sampler(e));
+                return true;
+            }
+        };
+        let verdict = verify_rejection(&drafts, DraftProbs::Rows(&q), &target, &uniforms[..t], uniforms[t], v);
+        let emitted = drafts[..verdict.accepted].iter().copied().chain(std::iter::once(verdict.next));
+        for (j, token) in emitted.enumerate() {
+            if self.running[ver.run].seqs[ver.seq].done {
+                break;
+            }
+            let row = Row { run: ver.run, seq: ver.seq, logits: std::mem::take(&mut rows[j]) };
+            let raw_row = raw.as_ref().map(|raw| raw[j].clone());
+            self.emit(&[row], vec![Some(Ok(token))], vec![raw_row]);
+        }
+        true
+    }
+
+    /// Verifies the step's speculative rounds: sampled rounds by rejection sampling
+    /// (`verify_sampled`), greedy ones by sample-and-match. There, row j of a verify is sampled
+    /// (masked, through the sequence's own sampler, as any row) only if the token emitted from
+    /// row j − 1 is draft j; the first mismatch is itself the emitted token. Every emitted token
+    /// is thus exactly what non-speculative decoding would emit — same rows, same sampler state,
+    /// same random draws — at any temperature and with any sampler or grammar; accepted drafts
+    /// only save target steps. Then each sequence keeps the verified rows of its emitted tokens: the
     /// KDA snapshot after the last one is swapped in, rejected latent rows are dropped, and the
     /// kept rows' aux states wait for the draft.
     fn verify(&mut self, verifies: Vec<Verify>) {
         let v = self.model.text_config().vocab_size;
-        for j in 1.. {
+        // Sampled rounds first; a round whose sampler declines is matched below, from row 0.
+        let matched: Vec<usize> =
+            (0..verifies.len()).filter(|&i| !(verifies[i].sampled && self.verify_sampled(&verifies[i]))).collect();
+        for j in 0.. {
             let mut rows = Vec::new();
-            for ver in &verifies {
+            for ver in matched.iter().map(|&i| &verifies[i]) {
                 let Some(r) = self.running.get(ver.run) else { continue };
                 let s = &r.seqs[ver.seq];
                 let Some(sp) = s.spec.as_ref() else { continue };
                 let drafts = sp.drafts();
-                let on_track =
-                    !s.done && s.generated == sp.generated_before + j && s.next == drafts.get(j - 1).copied();
+                // Row 0 of a greedy round was sampled with the step's other rows already.
+                let on_track = !s.done
+                    && s.generated == sp.generated_before + j
+                    && (j == 0 || s.next == drafts.get(j - 1).copied());
                 if on_track && let Some(row) = ver.logits.get(j * v..(j + 1) * v) {
                     rows.push(Row { run: ver.run, seq: ver.seq, logits: row.to_vec() });
                 }
             }
+            // Row 0 is sampled here only for rounds whose sampler declined; row 1 always follows.
             if rows.is_empty() {
+                if j == 0 {
+                    continue;
+                }
                 break;
             }
             self.sample(rows);
@@ -1070,6 +1206,94 @@ impl Worker {
             }
         }
     }
+}
+
+/// One sequence's draft walk over the draft's rows when its drafts are drawn from its
+/// sampler's distributions: the constraint runs ahead on a copy of the sequence's matcher (the
+/// real one advances only through emitted tokens, so nothing is ever rolled back — budgeted
+/// lexemes included), and every row's distribution is kept for the verify.
+struct SampledWalk {
+    /// Drawing from the sampler (false: the draft's argmax, as for greedy rounds).
+    on: bool,
+    sampler: SharedSampler,
+    seq: Option<SamplerSeq>,
+    lookahead: Option<ConstraintMatcher>,
+    rng: Rng,
+    /// The distributions drawn from, `[drafts, V]`.
+    q: Vec<f32>,
+    /// The mask of each row walked (`None` without a constraint).
+    masks: Vec<Option<SimpleVob>>,
+    /// A stop token was drawn: nothing after it can be emitted.
+    ended: bool,
+}
+
+impl SampledWalk {
+    /// The draft after `before` (the drafts so far) from the draft's biased `logits`.
+    fn pick(&mut self, before: &[u32], logits: &mut [f32], stops: &[u32]) -> Option<u32> {
+        if !self.on {
+            return Some(argmax(logits) as u32);
+        }
+        if self.ended {
+            return None;
+        }
+        let seq = self.seq?;
+        let mask = match self.lookahead.as_mut() {
+            Some(m) => match m.mask() {
+                Ok(mask) => {
+                    if !apply_mask(&mask, logits) {
+                        return None;
+                    }
+                    Some(mask)
+                }
+                Err(_) => return None,
+            },
+            None => None,
+        };
+        let rows = [(before.len(), &*logits)];
+        let q = match self.sampler.lock().unwrap_or_else(|e| e.into_inner()).distributions(seq, before, &rows) {
+            Ok(Some(mut q)) if q.len() == 1 && q[0].len() == logits.len() => q.remove(0),
+            Ok(_) if before.is_empty() => {
+                // The sampler declines these rows: a greedy round.
+                self.on = false;
+                return Some(argmax(logits) as u32);
+            }
+            // Declined or failed part-way: the drafts so far stand (the verify asks again and
+            // fails the sequence if the sampler fails there too).
+            _ => return None,
+        };
+        let token = sample_with_uniform(&q, uniform(&mut self.rng)) as u32;
+        if q[token as usize] <= 0.0 {
+            return None;
+        }
+        if stops.contains(&token) {
+            self.ended = true;
+        } else if let Some(m) = self.lookahead.as_mut()
+            && m.consume(token).is_err()
+        {
+            return None;
+        }
+        self.q.extend_from_slice(&q);
+        self.masks.push(mask);
+        Some(token)
+    }
+}
+
+/// Sets the logits of the tokens `mask` disallows to −∞; false when it allows none of the row.
+fn apply_mask(mask: &SimpleVob, row: &mut [f32]) -> bool {
+    let mut any = false;
+    for (i, l) in row.iter_mut().enumerate() {
+        if mask.is_allowed(i as u32) {
+            any |= *l > f32::NEG_INFINITY;
+        } else {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    any
+}
+
+/// A uniform draw in [0, 1) with 24 bits (exactly representable as f32).
+fn uniform(rng: &mut Rng) -> f32 {
+    (rng.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
 }
 
 /// Checks one sequence's entry on its own (the fault probe, then the model's input checks), so

@@ -617,11 +617,25 @@ impl DsparkDraft {
     /// Greedy Markov walks over many blocks at once: step k's biases for every block still
     /// walking come from one product (`[blocks, r] × W2ᵀ`). Returns each block's drafts.
     pub fn walk_greedy(&self, be: &dyn Backend, blocks: &[Block]) -> Vec<Vec<u32>> {
+        self.walk_with(be, blocks, |_, _, logits| Some(crate::engine::speculative::argmax(logits) as u32))
+    }
+
+    /// Markov walks over many blocks at once, each token chosen by `pick(block, drafts so far,
+    /// biased logits)` (it may change the logits, e.g. mask them); `None` ends that block's walk.
+    /// Step k's biases for every block still walking come from one product.
+    pub fn walk_with(
+        &self,
+        be: &dyn Backend,
+        blocks: &[Block],
+        mut pick: impl FnMut(usize, &[u32], &mut [f32]) -> Option<u32>,
+    ) -> Vec<Vec<u32>> {
         let v = self.config.vocab_size;
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); blocks.len()];
         let mut prev: Vec<u32> = blocks.iter().map(|b| b.anchor).collect();
+        let mut walking = vec![true; blocks.len()];
         for k in 0.. {
-            let active: Vec<usize> = (0..blocks.len()).filter(|&b| blocks[b].base_logits.len() > k * v).collect();
+            let active: Vec<usize> =
+                (0..blocks.len()).filter(|&b| walking[b] && blocks[b].base_logits.len() > k * v).collect();
             if active.is_empty() {
                 break;
             }
@@ -630,9 +644,13 @@ impl DsparkDraft {
             for (j, &b) in active.iter().enumerate() {
                 let mut logits = blocks[b].base_logits[k * v..(k + 1) * v].to_vec();
                 be.add(&mut logits, &bias[j * v..(j + 1) * v]);
-                let next = crate::engine::speculative::argmax(&logits) as u32;
-                drafts[b].push(next);
-                prev[b] = next;
+                match pick(b, &drafts[b], &mut logits) {
+                    Some(next) => {
+                        drafts[b].push(next);
+                        prev[b] = next;
+                    }
+                    None => walking[b] = false,
+                }
             }
         }
         drafts
@@ -649,9 +667,21 @@ impl DsparkDraft {
         anchors: &[u32],
         t: &[usize],
     ) -> Result<Vec<Vec<u32>>, ModelError> {
-        self.extend_contexts(target, caches, pending)?;
-        let blocks = self.blocks(target, caches, anchors, t, None)?;
+        let blocks = self.draft_blocks(target, caches, pending, anchors, t)?;
         Ok(self.walk_greedy(target.backend(), &blocks))
+    }
+
+    /// `propose` up to the walk: context rows read, then one block pass for the whole batch.
+    pub fn draft_blocks(
+        &self,
+        target: &Model,
+        caches: &mut [&mut DraftCache],
+        pending: &[&[f32]],
+        anchors: &[u32],
+        t: &[usize],
+    ) -> Result<Vec<Block>, ModelError> {
+        self.extend_contexts(target, caches, pending)?;
+        self.blocks(target, caches, anchors, t, None)
     }
 
     /// `W1[prev]` (`[markov_rank]`).

@@ -12,10 +12,13 @@ pub mod host {
     });
 }
 
+/// Samplers. Generated from world `speculative-sampler` (`sampler` plus the optional
+/// `speculation` export); the host looks each interface up on its own, so a component of the
+/// plain `sampler` world loads through these bindings too (`SamplerPlugin::new`).
 pub mod sampler {
     wasmtime::component::bindgen!({
         path: "../wit",
-        world: "sampler",
+        world: "speculative-sampler",
         with: {
             "kimi:host/types": crate::plugins::bindings::host::kimi::host::types,
             "kimi:host/log": crate::plugins::bindings::host::kimi::host::log,

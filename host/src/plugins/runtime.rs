@@ -86,6 +86,12 @@ impl PluginKind {
 /// WIT package version this host implements.
 pub const VERSION: &str = "0.1.0";
 
+/// The optional export of a sampler that describes its distributions (world
+/// `speculative-sampler`).
+pub fn speculation_export() -> String {
+    format!("kimi:host/speculation@{VERSION}")
+}
+
 /// Imports that Rust's std links into every wasm32-wasip2 component; defined as traps.
 const TRAP_STUB_PREFIXES: [&str; 2] = ["wasi:cli/", "wasi:io/"];
 
@@ -226,7 +232,11 @@ impl PluginRuntime {
         CheckReport {
             sha256,
             kind: verdict.as_ref().ok().copied(),
-            world: verdict.as_ref().ok().map(|k| format!("kimi:host/{}@{VERSION}", k.name())),
+            world: verdict.as_ref().ok().map(|k| {
+                let speculative = exports.contains(&speculation_export());
+                let world = if speculative { "speculative-sampler" } else { k.name() };
+                format!("kimi:host/{world}@{VERSION}")
+            }),
             imports,
             exports,
             verdict: verdict.map(|_| ()),
@@ -373,6 +383,9 @@ fn classify(imports: &[String], exports: &[String]) -> Result<PluginKind, String
         }
         _ => return Err("exports more than one plugin interface".to_string()),
     };
+    if kind != PluginKind::Sampler && exports.contains(&speculation_export()) {
+        return Err("exports `speculation`, which only a sampler may export".to_string());
+    }
     for imp in imports {
         if let Some(i) = iface(imp)
             && !kind.imports().contains(&i.as_str())

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use wasmtime::Store;
-use wasmtime::component::{Resource, ResourceAny};
+use wasmtime::component::{InstancePre, Resource, ResourceAny};
 
-use super::bindings::host::kimi::host::types::{Candidates, PluginError as GuestError, RequestInfo};
-use super::bindings::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Row};
-use super::bindings::sampler::{Sampler, SamplerPre};
+use super::bindings::host::kimi::host::types::{Candidates, LogitStats, PluginError as GuestError, RequestInfo};
+use super::bindings::sampler::exports::kimi::host::sampler_plugin::{self, Capabilities, Row};
+use super::bindings::sampler::exports::kimi::host::speculation::{self, SpecRow};
 use super::error::PluginError;
 use super::health::PluginHealth;
 use super::host::{HostState, PluginEnv, StepLogits, TenantServices, row_candidates_and_stats};
@@ -19,7 +19,11 @@ use crate::engine::{Sampler as EngineSampler, SamplerError, SamplerErrorKind, Sa
 /// A loaded sampler component, ready to instantiate cheaply.
 pub struct SamplerPlugin {
     pub name: String,
-    pre: SamplerPre<HostState>,
+    pre: InstancePre<HostState>,
+    /// The `sampler-plugin` export, looked up once.
+    guest: sampler_plugin::GuestIndices,
+    /// The optional `speculation` export.
+    speculation: Option<speculation::GuestIndices>,
     runtime: Arc<PluginRuntime>,
     pub limits: KindLimits,
     /// A builtin (see `PluginHealth::trusted`).
@@ -38,17 +42,30 @@ impl SamplerPlugin {
         let pre = linker
             .instantiate_pre(&compiled.component)
             .map_err(|e| PluginError::Rejected { plugin: compiled.name.clone(), reason: format!("{e:#}") })?;
-        let pre = SamplerPre::new(pre).map_err(|e| PluginError::Rejected {
+        // Interface by interface rather than the whole `speculative-sampler` world, so a plain
+        // `sampler` component (no `speculation` export) loads too.
+        let rejected = |e: wasmtime::Error| PluginError::Rejected {
             plugin: compiled.name.clone(),
             reason: format!("does not match the sampler world: {e:#}"),
-        })?;
+        };
+        let guest = sampler_plugin::GuestIndices::new(&pre).map_err(rejected)?;
+        let exports_speculation = compiled.exports.contains(&super::runtime::speculation_export());
+        let speculation =
+            if exports_speculation { Some(speculation::GuestIndices::new(&pre).map_err(rejected)?) } else { None };
         Ok(SamplerPlugin {
             name: compiled.name.clone(),
             pre,
+            guest,
+            speculation,
             runtime,
             limits: PluginKind::Sampler.default_limits(),
             trusted: compiled.trusted,
         })
+    }
+
+    /// Whether the component exports `speculation`.
+    pub fn describes_distributions(&self) -> bool {
+        self.speculation.is_some()
     }
 
     pub fn with_limits(mut self, limits: KindLimits) -> Self {
@@ -64,16 +81,19 @@ impl SamplerPlugin {
         tenant_name: &str,
     ) -> Result<SamplerInstance, PluginError> {
         let mut store = self.runtime.store(PluginKind::Sampler, self.limits, env, tenant, tenant_name, &self.name);
-        let bindings =
-            self.pre.instantiate(&mut store).map_err(|e| call_error(&self.name, &self.limits, e, store.data()))?;
-        let caps = bindings
-            .kimi_host_sampler_plugin()
-            .call_describe(&mut store)
-            .map_err(|e| call_error(&self.name, &self.limits, e, store.data()))?;
+        let loaded = (|| {
+            let instance = self.pre.instantiate(&mut store)?;
+            let guest = self.guest.load(&mut store, &instance)?;
+            let speculation = self.speculation.as_ref().map(|i| i.load(&mut store, &instance)).transpose()?;
+            let caps = guest.call_describe(&mut store)?;
+            Ok((guest, speculation, caps))
+        })();
+        let (guest, speculation, caps) = loaded.map_err(|e| call_error(&self.name, &self.limits, e, store.data()))?;
         Ok(SamplerInstance {
             name: self.name.clone(),
             store,
-            bindings,
+            guest,
+            speculation,
             caps,
             limits: self.limits,
             poisoned: false,
@@ -88,7 +108,8 @@ pub struct SeqHandle(ResourceAny);
 pub struct SamplerInstance {
     pub name: String,
     store: Store<HostState>,
-    bindings: Sampler,
+    guest: sampler_plugin::Guest,
+    speculation: Option<speculation::Guest>,
     pub caps: Capabilities,
     limits: KindLimits,
     poisoned: bool,
@@ -161,8 +182,7 @@ impl SamplerInstance {
         seed: u64,
     ) -> Result<SeqHandle, PluginError> {
         self.arm()?;
-        let r =
-            self.bindings.kimi_host_sampler_plugin().sequence().call_create(&mut self.store, req, params_json, seed);
+        let r = self.guest.sequence().call_create(&mut self.store, req, params_json, seed);
         match self.guard(r)? {
             Ok(h) => Ok(SeqHandle(h)),
             Err(e) => Err(guest_error(&self.name, e)),
@@ -171,19 +191,19 @@ impl SamplerInstance {
 
     pub fn accept(&mut self, seq: &SeqHandle, ids: &[u32]) -> Result<(), PluginError> {
         self.arm()?;
-        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_accept(&mut self.store, seq.0, ids);
+        let r = self.guest.sequence().call_accept(&mut self.store, seq.0, ids);
         self.guard(r)
     }
 
     pub fn rollback(&mut self, seq: &SeqHandle, n: u32) -> Result<(), PluginError> {
         self.arm()?;
-        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_rollback(&mut self.store, seq.0, n);
+        let r = self.guest.sequence().call_rollback(&mut self.store, seq.0, n);
         self.guard(r)
     }
 
     pub fn fork(&mut self, seq: &SeqHandle, seed: u64) -> Result<SeqHandle, PluginError> {
         self.arm()?;
-        let r = self.bindings.kimi_host_sampler_plugin().sequence().call_fork(&mut self.store, seq.0, seed);
+        let r = self.guest.sequence().call_fork(&mut self.store, seq.0, seed);
         self.guard(r).map(SeqHandle)
     }
 
@@ -197,6 +217,58 @@ impl SamplerInstance {
         self.guard(r)
     }
 
+    /// Candidates and stats for each row (host work over the full rows; in parallel when the
+    /// rows are large enough for the hand-off to pay).
+    fn prepare(&self, rows: &[&[f32]]) -> Vec<(LogitStats, Candidates)> {
+        let k = self.caps.max_candidates as usize;
+        let prep = |logits: &[f32]| {
+            let (st, cands) = row_candidates_and_stats(logits, k);
+            (
+                st,
+                Candidates { tokens: cands.iter().map(|c| c.0).collect(), logits: cands.iter().map(|c| c.1).collect() },
+            )
+        };
+        let total: usize = rows.iter().map(|r| r.len()).sum();
+        if rows.len() > 1 && total >= 1 << 18 {
+            use rayon::prelude::*;
+            rows.par_iter().map(|r| prep(r)).collect()
+        } else {
+            rows.iter().map(|r| prep(r)).collect()
+        }
+    }
+
+    /// Runs `call` with the rows behind a `step-logits` resource, under the call deadline (which
+    /// covers the guest's work only, not the host's preparation); records the guest time.
+    fn with_step_logits<R>(
+        &mut self,
+        rows: &[&[f32]],
+        stats: Vec<LogitStats>,
+        health: Option<&PluginHealth>,
+        call: impl FnOnce(&mut Self, Resource<StepLogits>) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
+        // SAFETY: `rows` outlive this call, and the rows are cleared before it returns.
+        unsafe { self.store.data_mut().step.set(rows, stats, self.caps.full_logits) };
+        let handle: Resource<StepLogits> = match self.store.data_mut().table.push(StepLogits) {
+            Ok(h) => h,
+            Err(e) => {
+                self.store.data_mut().step.clear();
+                return Err(PluginError::Runtime(format!("resource table: {e}")));
+            }
+        };
+        let rep = handle.rep();
+        set_deadline(&mut self.store, self.limits.call);
+        let t = Instant::now();
+        let r = call(self, Resource::new_borrow(rep));
+        let elapsed = t.elapsed();
+        self.last_call = elapsed;
+        self.store.data_mut().step.clear();
+        let _ = self.store.data_mut().table.delete(handle);
+        if let Some(h) = health {
+            h.record_call(elapsed);
+        }
+        self.guard(r)
+    }
+
     /// One engine step: for each (sequence, logits row) a token, or an error for that sequence.
     /// A trap or timeout fails the whole call (and poisons the instance).
     pub fn sample(
@@ -206,54 +278,17 @@ impl SamplerInstance {
     ) -> Result<Vec<Result<u32, PluginError>>, PluginError> {
         self.arm()?;
         let vocab = self.store.data().env.vocab_size;
-        let k = self.caps.max_candidates as usize;
-        // Per-row host work (stats and candidates over the full row); in parallel when rows are
-        // large enough for the hand-off to pay.
-        let prep = |logits: &[f32]| row_candidates_and_stats(logits, k);
-        let total: usize = rows.iter().map(|r| r.1.len()).sum();
-        let prepared: Vec<_> = if rows.len() > 1 && total >= 1 << 18 {
-            use rayon::prelude::*;
-            rows.par_iter().map(|r| prep(r.1)).collect()
-        } else {
-            rows.iter().map(|r| prep(r.1)).collect()
-        };
+        let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
+        let prepared = self.prepare(&slices);
         let stats: Vec<_> = prepared.iter().map(|p| p.0).collect();
         let wit_rows: Vec<Row> = rows
             .iter()
             .zip(prepared)
-            .map(|((seq, _), (st, cands))| Row {
-                seq: seq.0,
-                candidates: Candidates {
-                    tokens: cands.iter().map(|c| c.0).collect(),
-                    logits: cands.iter().map(|c| c.1).collect(),
-                },
-                stats: st,
-            })
+            .map(|((seq, _), (stats, candidates))| Row { seq: seq.0, candidates, stats })
             .collect();
-        let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
-        // SAFETY: `slices` borrow from `rows`, which outlive this call; cleared below.
-        unsafe { self.store.data_mut().step.set(&slices, stats, self.caps.full_logits) };
-        let handle: Resource<StepLogits> = match self.store.data_mut().table.push(StepLogits) {
-            Ok(h) => h,
-            Err(e) => {
-                self.store.data_mut().step.clear();
-                return Err(PluginError::Runtime(format!("resource table: {e}")));
-            }
-        };
-        let rep = handle.rep();
-        // The deadline covers the guest's work only, not the host's preparation above.
-        set_deadline(&mut self.store, self.limits.call);
-        let t = Instant::now();
-        let r =
-            self.bindings.kimi_host_sampler_plugin().call_sample(&mut self.store, &wit_rows, Resource::new_borrow(rep));
-        let elapsed = t.elapsed();
-        self.last_call = elapsed;
-        self.store.data_mut().step.clear();
-        let _ = self.store.data_mut().table.delete(handle);
-        if let Some(h) = health {
-            h.record_call(elapsed);
-        }
-        let out = self.guard(r)?;
+        let out = self.with_step_logits(&slices, stats, health, |me, logits| {
+            me.guest.call_sample(&mut me.store, &wit_rows, logits)
+        })?;
         if out.len() != rows.len() {
             self.poisoned = true;
             return Err(PluginError::BadReturn {
@@ -272,6 +307,84 @@ impl SamplerInstance {
                 Err(e) => Err(guest_error(&self.name, e)),
             })
             .collect())
+    }
+
+    /// Whether this sampler exports `speculation`.
+    pub fn describes_distributions(&self) -> bool {
+        self.speculation.is_some()
+    }
+
+    /// The sampler's distributions for rows of one sequence (`rows[i]`: how many of `drafts`
+    /// precede it, and its logits), as whole-vocabulary probability rows. `Ok(None)`: the
+    /// sampler does not describe these (no `speculation` export, or it answered `unsupported`).
+    /// A trap, a timeout or a malformed answer is an error and poisons the instance.
+    pub fn distributions(
+        &mut self,
+        seq: &SeqHandle,
+        drafts: &[u32],
+        rows: &[(usize, &[f32])],
+        health: Option<&PluginHealth>,
+    ) -> Result<Option<Vec<Vec<f32>>>, PluginError> {
+        if self.speculation.is_none() {
+            return Ok(None);
+        }
+        self.arm()?;
+        let vocab = self.store.data().env.vocab_size;
+        let slices: Vec<&[f32]> = rows.iter().map(|r| r.1).collect();
+        let prepared = self.prepare(&slices);
+        let stats: Vec<_> = prepared.iter().map(|p| p.0).collect();
+        let wit_rows: Vec<SpecRow> = rows
+            .iter()
+            .zip(prepared)
+            .map(|(&(before, _), (stats, candidates))| SpecRow { drafts_before: before as u32, candidates, stats })
+            .collect();
+        let answer = self.with_step_logits(&slices, stats, health, |me, logits| match &me.speculation {
+            Some(g) => g.call_distributions(&mut me.store, seq.0, drafts, &wit_rows, logits),
+            None => Ok(Err(GuestError::Unsupported("no speculation export".into()))),
+        })?;
+        let ds = match answer {
+            Ok(ds) => ds,
+            Err(GuestError::Unsupported(_)) => return Ok(None),
+            Err(e) => return Err(guest_error(&self.name, e)),
+        };
+        let bad = |me: &mut Self, msg: String| {
+            me.poisoned = true;
+            Err(PluginError::BadReturn { plugin: me.name.clone(), msg })
+        };
+        if ds.len() != rows.len() {
+            return bad(self, format!("`distributions` returned {} rows for {}", ds.len(), rows.len()));
+        }
+        let mut out = Vec::with_capacity(ds.len());
+        for (d, (_, logits)) in ds.into_iter().zip(rows) {
+            let tail = d.tail.map(|t| kimi_sampling_core::Tail { temperature: t.temperature, log_z: t.log_z });
+            if tail.is_some_and(|t| !(t.temperature > 0.0 && t.log_z.is_finite())) {
+                return bad(self, "a tail needs a positive temperature and a finite log-z".into());
+            }
+            if d.tokens.len() != d.probs.len()
+                || d.tokens.iter().any(|&t| t >= vocab)
+                || d.probs.iter().any(|p| !(p.is_finite() && *p >= 0.0))
+            {
+                return bad(self, "a distribution's tokens and probabilities do not match the vocabulary".into());
+            }
+            let mut dense = kimi_sampling_core::Distribution { tokens: d.tokens, probs: d.probs, tail }.dense(logits);
+            // A tail over a masked row leaves out the masked tokens; a distribution must still
+            // put its mass where the row allows it.
+            let mass: f64 =
+                dense.iter().zip(*logits).filter(|(_, l)| **l > f32::NEG_INFINITY).map(|(p, _)| *p as f64).sum();
+            let total: f64 = dense.iter().map(|&p| p as f64).sum();
+            if !(mass > 0.98 && total < 1.02) {
+                return bad(
+                    self,
+                    format!("a distribution's probabilities sum to {total:.4} ({mass:.4} on allowed tokens)"),
+                );
+            }
+            dense
+                .iter_mut()
+                .zip(*logits)
+                .for_each(|(p, l)| *p = if *l > f32::NEG_INFINITY { (*p as f64 / mass) as f32 } else { 0.0 });
+            out.push(dense);
+        }
+        Ok(Some(out))
     }
 }
 
@@ -442,6 +555,24 @@ impl EngineSampler for TenantSampler {
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(SamplerError::internal("the sampler gave no token for this sequence"))))
             .collect()
+    }
+
+    fn describes_distributions(&self) -> bool {
+        self.plugin.describes_distributions() && !self.health.is_disabled()
+    }
+
+    fn distributions(
+        &mut self,
+        seq: SamplerSeq,
+        drafts: &[u32],
+        rows: &[(usize, &[f32])],
+    ) -> Result<Option<Vec<Vec<f32>>>, SamplerError> {
+        let health = self.health.clone();
+        let r = match self.holder(seq) {
+            Some((inst, h)) => inst.distributions(&h, drafts, rows, Some(&health)),
+            None => return Ok(None),
+        };
+        self.judge(r).map_err(sampler_error)
     }
 
     fn accept(&mut self, seq: SamplerSeq, token: u32) {

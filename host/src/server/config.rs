@@ -53,6 +53,10 @@ pub struct ServeConfig {
     pub draft: Option<PathBuf>,
     /// Draft tokens proposed and verified per step with `draft` (1–16; default 4).
     pub num_speculative_tokens: Option<usize>,
+    /// How drafts are chosen with `draft`: `sampled` (default; drawn from each request's
+    /// sampler distribution and verified by rejection sampling, where the sampler describes its
+    /// distributions) or `greedy` (argmax drafts, verified by sample-and-match).
+    pub speculative_drafts: Option<crate::engine::DraftMode>,
     #[serde(default)]
     pub engine: EngineSection,
     #[serde(default)]
@@ -358,6 +362,7 @@ impl ServeConfig {
             backend: None,
             draft: None,
             num_speculative_tokens: None,
+            speculative_drafts: None,
             engine: EngineSection { state_memory: "256MiB".into(), ..Default::default() },
             limits: LimitsSection { max_context: Some(16_384), default_max_tokens: 256, ..Default::default() },
             http: HttpSection::default(),
@@ -452,6 +457,9 @@ impl ServeConfig {
             return Err(ConfigError::Invalid(format!(
                 "num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, not {t}"
             )));
+        }
+        if self.speculative_drafts.is_some() && self.draft.is_none() {
+            return Err(ConfigError::Invalid("speculative_drafts needs a draft (draft = \"<dir>\")".into()));
         }
         if self.num_speculative_tokens.is_some() && self.draft.is_none() {
             return Err(ConfigError::Invalid("num_speculative_tokens needs a draft (draft = \"<dir>\")".into()));

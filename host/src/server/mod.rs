@@ -145,8 +145,9 @@ impl AppState {
             let draft = DsparkDraft::load(dir, &model)
                 .map_err(|e| ServeError::Model { path: dir.clone(), msg: format!("draft: {e}") })?;
             let tokens = cfg.num_speculative_tokens.unwrap_or(config::DEFAULT_SPECULATIVE_TOKENS);
-            tracing::info!(draft = %dir.display(), tokens, layers = draft.layers(), "speculative decoding on");
-            engine_config.speculation = Some(Speculation { draft: Arc::new(draft), tokens });
+            tracing::info!(draft = %dir.display(), tokens, layers = draft.layers(), drafts = ?cfg.speculative_drafts.unwrap_or_default(), "speculative decoding on");
+            let drafts = cfg.speculative_drafts.unwrap_or_default();
+            engine_config.speculation = Some(Speculation { draft: Arc::new(draft), tokens, drafts });
         }
         let engine = Engine::start(model, engine_config)?;
         let model_name = cfg.model_name.clone().unwrap_or_else(|| {

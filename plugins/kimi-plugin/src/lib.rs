@@ -10,6 +10,12 @@
 //! kimi_plugin::sampler::export_sampler!(MySampler);
 //! ```
 //!
+//! A sampler that also describes its distributions for speculative decoding exports the
+//! `speculation` interface too (world `speculative-sampler`). Generate that world's bindings in
+//! the plugin crate itself with `wit_bindgen::generate!({ path: ".../wit", world:
+//! "speculative-sampler" })` and `export!`, as `sampler-standard` does: one crate cannot hold the
+//! export macros of `sampler-plugin` twice, so this crate offers only the plain `sampler` world.
+//!
 //! Build with `cargo build --release --target wasm32-wasip2`; the result is a component the
 //! host loads (`kimi-host plugin check <file.wasm>` shows what it imports and exports).
 

@@ -1,12 +1,22 @@
 //! `builtin:sampler-standard`: the OpenAI / vLLM sampling parameters over the host's candidate
-//! list (see `kimi-sampling-core`), deterministic under the host-supplied seed.
+//! list (see `kimi-sampling-core`), deterministic under the host-supplied seed. It exports
+//! `speculation` too (world `speculative-sampler`), so speculative decoding draws drafts from
+//! and verifies them against exactly the distribution `sample` draws from.
 
 use std::cell::{Cell, RefCell};
 
-use kimi_plugin::sampler::exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
-use kimi_plugin::sampler::kimi::host::logits::StepLogits;
-use kimi_plugin::sampler::kimi::host::tokenizer;
-use kimi_plugin::sampler::kimi::host::types::{PluginError, RequestInfo};
+// The bindings of the `speculative-sampler` world, generated here: `kimi-plugin` generates the
+// plain `sampler` world, and one crate cannot export the same interface's macros twice.
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "speculative-sampler",
+});
+
+use exports::kimi::host::sampler_plugin::{Capabilities, Guest, GuestSequence, Row, Sequence};
+use exports::kimi::host::speculation::{self, Distribution, SpecRow, Tail};
+use kimi::host::logits::StepLogits;
+use kimi::host::tokenizer;
+use kimi::host::types::{PluginError, RequestInfo};
 use kimi_sampling_core::{LogitsSource, Params, SeqState};
 use kimi_sampling_params::SamplingParams;
 
@@ -98,6 +108,54 @@ impl Guest for Standard {
     }
 }
 
+impl speculation::Guest for Standard {
+    fn distributions(
+        seq: speculation::SequenceBorrow<'_>,
+        drafts: Vec<u32>,
+        rows: Vec<SpecRow>,
+        logits: &StepLogits,
+    ) -> Result<Vec<Distribution>, PluginError> {
+        let seq: &Seq = seq.get();
+        let mut state = seq.0.borrow_mut();
+        // Draft tokens are accepted for the rows after them and rolled back before returning, so
+        // the state ends as it began (the penalties count them as output meanwhile).
+        let mut applied = 0usize;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut failure = None;
+        for (i, row) in rows.into_iter().enumerate() {
+            let before = row.drafts_before as usize;
+            if before > drafts.len() {
+                failure = Some(PluginError::BadConfig(format!("row {i} follows {before} drafts of {}", drafts.len())));
+                break;
+            }
+            if before >= applied {
+                state.accept(&drafts[applied..before]);
+            } else {
+                state.rollback(applied - before);
+            }
+            applied = before;
+            let c = row.candidates;
+            let cands = c.tokens.into_iter().zip(c.logits).collect();
+            match state.distribution(&mut HostLogits(logits, i as u32), cands) {
+                Ok(d) => out.push(Distribution {
+                    tokens: d.tokens,
+                    probs: d.probs,
+                    tail: d.tail.map(|t| Tail { temperature: t.temperature, log_z: t.log_z }),
+                }),
+                Err(e) => {
+                    failure = Some(PluginError::Internal(e));
+                    break;
+                }
+            }
+        }
+        state.rollback(applied);
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
+
 impl GuestSequence for Seq {
     fn create(_req: RequestInfo, params_json: String, seed: u64) -> Result<Sequence, PluginError> {
         Ok(Sequence::new(Seq(RefCell::new(SeqState::new(parse(&params_json)?, seed)))))
@@ -116,4 +174,4 @@ impl GuestSequence for Seq {
     }
 }
 
-kimi_plugin::sampler::export_sampler!(Standard);
+export!(Standard);

@@ -122,6 +122,58 @@ impl std::hash::Hasher for IdHasher {
 
 type IdMap<V> = HashMap<u32, V, BuildHasherDefault<IdHasher>>;
 
+/// A row's sampling distribution (see [`SeqState::distribution`]): `tokens[i]` has probability
+/// `probs[i]`; every other token has the tail's probability, or 0 without a tail.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Distribution {
+    pub tokens: Vec<u32>,
+    pub probs: Vec<f32>,
+    pub tail: Option<Tail>,
+}
+
+/// Tokens outside a distribution's list: probability exp(raw logit / temperature − log_z).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tail {
+    pub temperature: f32,
+    pub log_z: f64,
+}
+
+impl Distribution {
+    /// The whole row's probabilities, given the row the distribution was computed over.
+    pub fn dense(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out: Vec<f32> = match self.tail {
+            Some(Tail { temperature, log_z }) => logits
+                .iter()
+                .map(|&l| {
+                    let p = ((l / temperature) as f64 - log_z).exp() as f32;
+                    if p.is_finite() { p } else { 0.0 }
+                })
+                .collect(),
+            None => vec![0.0; logits.len()],
+        };
+        for (&id, &p) in self.tokens.iter().zip(&self.probs) {
+            if let Some(o) = out.get_mut(id as usize) {
+                *o = p;
+            }
+        }
+        out
+    }
+}
+
+/// A step's common start (see `SeqState::begin`).
+struct Step {
+    vocab: u32,
+    adj_ids: Vec<u32>,
+    marks: IdMarks,
+    changed: Vec<(u32, f32, f32)>,
+    adjusted: Vec<(u32, f32)>,
+    cands: Vec<(u32, f32)>,
+    k: u32,
+    greedy: bool,
+    t: f32,
+    log_z: f64,
+}
+
 /// Per-sequence state: token occurrences for the penalties (kept up to date on every accept and
 /// rollback, so a step costs time in the number of distinct tokens, not the sequence length),
 /// and the RNG.
@@ -220,6 +272,42 @@ impl SeqState {
     /// step, reused when the list grows) work on that prefix and fetch more candidates whenever
     /// the answer could lie beyond it.
     pub fn sample(&mut self, src: &mut dyn LogitsSource, candidates: Vec<(u32, f32)>) -> Result<u32, String> {
+        let step = self.begin(src, candidates)?;
+        let u = if step.greedy { 0.0 } else { self.rng.next_f64() };
+        let r = self.draw(
+            src,
+            &step.marks,
+            &step.adjusted,
+            step.cands,
+            step.k,
+            step.t,
+            step.log_z,
+            u,
+            step.vocab,
+            step.greedy,
+        );
+        step.marks.finish(&step.adj_ids);
+        r
+    }
+
+    /// What `sample` would draw from, without drawing (the RNG is untouched): the kept tokens
+    /// with their probabilities, or — when no filter cuts the vocabulary (no top-k, top-p or
+    /// min-p) — the tokens this step adjusts with theirs and a tail rule for all the others.
+    /// Token for token the same probabilities `sample` draws with.
+    pub fn distribution(
+        &mut self,
+        src: &mut dyn LogitsSource,
+        candidates: Vec<(u32, f32)>,
+    ) -> Result<Distribution, String> {
+        let step = self.begin(src, candidates)?;
+        let r = self.describe(src, &step);
+        step.marks.finish(&step.adj_ids);
+        r
+    }
+
+    /// The part of a step both `sample` and `distribution` start with: the adjusted tokens and
+    /// their logits, the first candidate list and the normaliser.
+    fn begin(&mut self, src: &mut dyn LogitsSource, candidates: Vec<(u32, f32)>) -> Result<Step, String> {
         if self.prompt_len.is_none() {
             self.prompt_len = Some(self.tokens.len());
         }
@@ -249,8 +337,8 @@ impl SeqState {
         }
         let greedy = self.params.temperature < 1e-5;
         let t = if greedy { 1.0 } else { self.params.temperature };
-        let (log_z, u) = if greedy {
-            (0.0, 0.0)
+        let log_z = if greedy {
+            0.0
         } else {
             // Z = Z_full − Σ_adj e^{raw/t} + Σ_adj e^{adj/t}, relative to e^{lse_full}.
             let lse_full = src.log_sum_exp(t) as f64;
@@ -260,12 +348,62 @@ impl SeqState {
                     z_rel += ((a / t) as f64 - lse_full).exp() - ((raw / t) as f64 - lse_full).exp();
                 }
             }
-            (lse_full + z_rel.max(f64::MIN_POSITIVE).ln(), self.rng.next_f64())
+            lse_full + z_rel.max(f64::MIN_POSITIVE).ln()
         };
-        let r = self.draw(src, &marks, &adjusted, cands, k, t, log_z, u, vocab, greedy);
-        marks.clear(&adj_ids);
-        ADJUSTED_MARKS.with(|m| m.replace(marks));
-        r
+        Ok(Step { vocab, adj_ids, marks, changed, adjusted, cands, k, greedy, t, log_z })
+    }
+
+    /// `distribution`'s walk: the canonical-order list grows until the kept set is known.
+    fn describe(&self, src: &mut dyn LogitsSource, step: &Step) -> Result<Distribution, String> {
+        let (vocab, t, log_z) = (step.vocab, step.t, step.log_z);
+        let mut cands = step.cands.clone();
+        let mut k = step.k;
+        let p = &self.params;
+        let unfiltered = !(p.top_k > 0 && p.top_k < vocab) && p.top_p >= 1.0 && p.min_p <= 0.0;
+        loop {
+            let complete = k >= vocab;
+            if !cands.is_sorted_by(|a, b| canonical(a, b).is_le()) {
+                cands.sort_unstable_by(canonical);
+            }
+            let list = merge_canonical(
+                cands.iter().copied().filter(|c| !c.1.is_nan() && !step.marks.contains(c.0)),
+                &step.adjusted,
+                cands.len() + step.adjusted.len(),
+            );
+            if list.is_empty() {
+                return Err("no finite logits".into());
+            }
+            let outside_max = if complete { f32::NEG_INFINITY } else { cands.last().map_or(f32::INFINITY, |c| c.1) };
+            let walk = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
+            let grow = |k: u32| (k.saturating_mul(4)).min(vocab);
+            if walk == 0 {
+                k = grow(k);
+                cands = src.top_k(k);
+                continue;
+            }
+            if step.greedy {
+                return Ok(Distribution { tokens: vec![list[0].0], probs: vec![1.0], tail: None });
+            }
+            if unfiltered && !complete {
+                // Every token is kept: the changed tokens explicitly (a NaN one with 0), the
+                // rest by the tail rule, which is how `sample` weighs them too.
+                let (tokens, probs) = step
+                    .changed
+                    .iter()
+                    .map(|&(id, _, a)| (id, if a.is_nan() { 0.0 } else { ((a / t) as f64 - log_z).exp() as f32 }))
+                    .unzip();
+                return Ok(Distribution { tokens, probs, tail: Some(Tail { temperature: t, log_z }) });
+            }
+            let mut lazy = LazyProbs { list: &list[..walk], t, log_z, probs: Vec::new() };
+            let (kept, exact) = self.kept_set(&mut lazy, complete, vocab, outside_max);
+            if exact {
+                let z = lazy.sum(kept);
+                let probs = (0..kept).map(|i| (lazy.get(i) / z) as f32).collect();
+                return Ok(Distribution { tokens: list[..kept].iter().map(|c| c.0).collect(), probs, tail: None });
+            }
+            k = grow(k.max(p.top_k));
+            cands = src.top_k(k);
+        }
     }
 
     /// The draw of `sample` over the growing candidate list (`marks`: the adjusted tokens).
@@ -405,6 +543,12 @@ impl IdMarks {
 
     fn contains(&self, id: u32) -> bool {
         self.0.get(id as usize / 64).is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+
+    /// Clears the marks of `ids` and hands the set back to this thread's slot.
+    fn finish(mut self, ids: &[u32]) {
+        self.clear(ids);
+        ADJUSTED_MARKS.with(|m| m.replace(self));
     }
 
     /// Clears the bits of `ids` (those `set` marked), leaving every word zero.

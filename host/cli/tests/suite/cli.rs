@@ -252,7 +252,7 @@ fn tokenize_command_encodes_decodes_and_benches() {
 #[test]
 fn plugin_check_and_bench_plugins_smoke() {
     let out = run_ok(bin().args(["plugin", "check", "builtin:sampler-standard"]));
-    assert!(out.contains("world:   kimi:host/sampler@0.1.0") && out.contains("verdict: accepted"), "{out}");
+    assert!(out.contains("world:   kimi:host/speculative-sampler@0.1.0") && out.contains("verdict: accepted"), "{out}");
     let dir = tempfile::tempdir().expect("tempdir");
     let evil = dir.path().join("evil.wasm");
     std::fs::write(&evil, wat::parse_str(r#"(component (import "wasi:sockets/tcp@0.2.0" (instance)))"#).expect("wat"))

@@ -197,9 +197,10 @@ fn thinking_budget_closes_the_think_channel() {
 }
 
 /// The same 10 schemas × 20 seeds, served by the engine with speculative decoding on (a random
-/// DSpark draft, 2 drafts a step): every call still parses and validates, and requests run one at
-/// a time give the same engine's output without speculation token for token (the matcher only
-/// ever consumes emitted tokens, so rejected drafts never touch it).
+/// DSpark draft, 2 drafts a step, drawn from the sampler through the constraint's lookahead and
+/// verified by rejection sampling): every call still parses and validates. With greedy drafts,
+/// requests run one at a time give the same engine's output without speculation token for token
+/// (the matcher only ever consumes emitted tokens, so rejected drafts never touch it).
 #[test]
 fn required_tool_calls_validate_with_speculation_on() {
     use kimi_host::engine::{Engine, EngineConfig, GenRequest, SamplerRequest, SamplingSpec, SeqEvent, Speculation};
@@ -219,13 +220,21 @@ fn required_tool_calls_validate_with_speculation_on() {
     let env = Arc::new(PluginEnv::bare(model.text_config().vocab_size as u32, vec![]));
     let sampler = Arc::new(Mutex::new(TenantSampler::new(plugin, env, Arc::new(TenantServices::default()), "t")));
     let base = EngineConfig { max_seqs: 200, max_batched_tokens: 1024, state_memory: 1 << 30, ..Default::default() };
+    // Drafts drawn from the sampler through the constraint's lookahead (the default), and
+    // greedy drafts (sample-and-match, which gives plain decoding's very tokens).
     let spec = Engine::start(
         model.clone(),
-        EngineConfig { speculation: Some(Speculation { draft, tokens: 2 }), ..base.clone() },
+        EngineConfig { speculation: Some(Speculation::new(draft.clone(), 2)), ..base.clone() },
     )
     .expect("speculative engine");
+    let greedy_drafts = Speculation { drafts: kimi_host::engine::DraftMode::Greedy, ..Speculation::new(draft, 2) };
+    let spec_greedy = Engine::start(
+        model.clone(),
+        EngineConfig { speculation: Some(greedy_drafts), state_memory: 64 << 20, ..base.clone() },
+    )
+    .expect("speculative engine with greedy drafts");
     let plain = Engine::start(model.clone(), base).expect("plain engine");
-    let submit = |e: &Engine, prompt: &[u32], grammar: &str, seed: u64| {
+    let submit_with = |e: &Engine, prompt: &[u32], grammar: &str, seed: u64, params: &str| {
         let req = GenRequest {
             prompt: prompt.to_vec(),
             max_tokens: 1500,
@@ -234,7 +243,7 @@ fn required_tool_calls_validate_with_speculation_on() {
             constraint: Some(h.engine.matcher(&Constraint::Lark(grammar.to_string())).expect("grammar compiles")),
             sampling: SamplingSpec {
                 sampler: sampler.clone(),
-                params_json: r#"{"temperature": 1.0, "top_p": 0.95}"#.into(),
+                params_json: params.into(),
                 seed,
                 info: SamplerRequest::default(),
             },
@@ -243,6 +252,9 @@ fn required_tool_calls_validate_with_speculation_on() {
             media: None,
         };
         e.submit(req).expect("submit")
+    };
+    let submit = |e: &Engine, prompt: &[u32], grammar: &str, seed: u64| {
+        submit_with(e, prompt, grammar, seed, r#"{"temperature": 1.0, "top_p": 0.95}"#)
     };
     let collect = |mut handle: kimi_host::engine::GenHandle| {
         let mut ids = Vec::new();
@@ -267,9 +279,17 @@ fn required_tool_calls_validate_with_speculation_on() {
             .expect("grammar")
             .expect("some");
         let p = prompt(&h, &tools, "required");
-        let with = collect(submit(&spec, &p, &grammar, 0));
+        let with = collect(submit(&spec_greedy, &p, &grammar, 0));
         let without = collect(submit(&plain, &p, &grammar, 0));
         assert_eq!(with, without, "schema {k}: speculation changed the output");
+        if k == 0 {
+            // Sampled drafts at temperature 0: the lookahead's masks and the emitted tokens'
+            // matcher are the plain run's, so the argmax tokens are too.
+            let greedy = r#"{"temperature": 0}"#;
+            let with = collect(submit_with(&spec, &p, &grammar, 0, greedy));
+            let without = collect(submit_with(&plain, &p, &grammar, 0, greedy));
+            assert_eq!(with, without, "schema {k}: sampled drafts changed the greedy output");
+        }
     }
     // Every schema's 20 seeds decode side by side, all 200 at once.
     let t0 = std::time::Instant::now();
@@ -302,8 +322,12 @@ fn required_tool_calls_validate_with_speculation_on() {
     }
     eprintln!("200 constrained generations with speculation: {tokens} tokens in {:?}", t0.elapsed());
     assert_eq!(checked, 200);
-    let rounds = spec.stats.spec_rounds.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(rounds > 0, "speculation ran");
+    let st = &spec.stats;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let (rounds, proposed, accepted) = (load(&st.spec_rounds), load(&st.spec_proposed), load(&st.spec_accepted));
+    eprintln!("sampled drafts: {rounds} rounds, {proposed} proposed, {accepted} accepted");
+    assert!(rounds > 0 && accepted > 0, "speculation ran and drafts were accepted");
     spec.shutdown(std::time::Duration::from_secs(5));
+    spec_greedy.shutdown(std::time::Duration::from_secs(5));
     plain.shutdown(std::time::Duration::from_secs(5));
 }

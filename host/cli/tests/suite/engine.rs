@@ -360,14 +360,14 @@ fn serving_after_start_up_allocates_no_step_buffers() {
     engine.shutdown(Duration::from_secs(5));
 }
 
-/// Speculative decoding with the DSpark draft (`dspark-tiny` on the `k3-tiny` target) emits
-/// exactly the tokens plain decoding emits — greedy, and sampled at temperature 1 with top-p
-/// for every seed (sample-and-match: each emitted token is the sampler's own draw on the same
+/// Speculative decoding with the DSpark draft (`dspark-tiny` on the `k3-tiny` target) and greedy
+/// drafts emits exactly the tokens plain decoding emits — greedy, and sampled at temperature 1
+/// with top-p for every seed (sample-and-match: each emitted token is the sampler's own draw on the same
 /// row, so not only the distribution but the very tokens agree) — for one and for forked
 /// sequences, while drafts are accepted; state goes back to zero afterwards.
 #[test]
 fn speculative_decoding_emits_exactly_the_plain_tokens() {
-    use kimi_host::engine::Speculation;
+    use kimi_host::engine::{DraftMode, Speculation};
     use kimi_host::model::dspark::DsparkDraft;
     use std::sync::atomic::Ordering::Relaxed;
     let golden = crate::common::golden_dir();
@@ -376,8 +376,13 @@ fn speculative_decoding_emits_exactly_the_plain_tokens() {
     let draft = Arc::new(DsparkDraft::load(&golden.join("dspark-tiny"), &model).expect("draft"));
     let base = EngineConfig { max_batched_tokens: 24, max_seqs: 8, state_memory: 64 << 20, ..Default::default() };
     let plain = Engine::start(model.clone(), base.clone()).expect("plain engine");
-    let spec_cfg = EngineConfig { speculation: Some(Speculation { draft, tokens: 4 }), ..base };
+    // Greedy drafts (sample-and-match); a second engine draws its drafts from the sampler
+    // (rejection sampling), which at temperature 0 must give the plain tokens too.
+    let greedy_drafts = Speculation { drafts: DraftMode::Greedy, ..Speculation::new(draft.clone(), 4) };
+    let spec_cfg = EngineConfig { speculation: Some(greedy_drafts), ..base.clone() };
     let spec = Engine::start(model.clone(), spec_cfg).expect("speculative engine");
+    let sampled_cfg = EngineConfig { speculation: Some(Speculation::new(draft, 4)), ..base };
+    let sampled = Engine::start(model.clone(), sampled_cfg).expect("engine with sampled drafts");
     let case = crate::common::Golden::open("dspark-tiny");
     let mut all_prompts = vec![case.ids("prompt.input_ids")];
     all_prompts.extend(prompts().into_iter().take(3));
@@ -393,8 +398,10 @@ fn speculative_decoding_emits_exactly_the_plain_tokens() {
                     let mut h = e.submit(req).expect("submit");
                     drain(&mut h, n).expect("generates")
                 };
-                assert_eq!(run(&spec), run(&plain), "prompt {k}, params {j}, seed {seed}");
+                let want = run(&plain);
+                assert_eq!(run(&spec), want, "prompt {k}, params {j}, seed {seed}");
                 if j == 0 {
+                    assert_eq!(run(&sampled), want, "prompt {k}: sampled drafts at temperature 0");
                     break; // greedy: the seed does not matter
                 }
             }
@@ -411,6 +418,9 @@ fn speculative_decoding_emits_exactly_the_plain_tokens() {
         "verifies run drafts through the target"
     );
     assert!(s.steps.load(Relaxed) < plain.stats.steps.load(Relaxed), "accepted drafts save steps");
+    assert!(sampled.stats.spec_accepted.load(Relaxed) > 0, "sampled drafts were accepted");
+    wait_idle(&sampled);
+    sampled.shutdown(Duration::from_secs(5));
     wait_idle(&spec);
     spec.shutdown(Duration::from_secs(5));
     plain.shutdown(Duration::from_secs(5));
@@ -434,7 +444,7 @@ fn speculative_sampling_follows_the_exact_distribution() {
         max_seqs: 64,
         state_memory: 256 << 20,
         max_waiting: 512,
-        speculation: Some(Speculation { draft, tokens: 3 }),
+        speculation: Some(Speculation::new(draft, 3)),
         ..Default::default()
     };
     let engine = Engine::start(model.clone(), cfg).expect("engine");
@@ -564,7 +574,8 @@ fn speculative_decoding_under_tensor_parallelism() {
     let draft = Arc::new(DsparkDraft::load(&golden.join("dspark-tiny"), &model).expect("draft at TP 2"));
     let base = EngineConfig { max_batched_tokens: 24, max_seqs: 8, state_memory: 64 << 20, ..Default::default() };
     let plain = Engine::start(model.clone(), base.clone()).expect("plain engine");
-    let spec_cfg = EngineConfig { speculation: Some(Speculation { draft, tokens: 4 }), ..base };
+    let greedy_drafts = Speculation { drafts: kimi_host::engine::DraftMode::Greedy, ..Speculation::new(draft, 4) };
+    let spec_cfg = EngineConfig { speculation: Some(greedy_drafts), ..base };
     let spec = Engine::start(model.clone(), spec_cfg).expect("speculative engine");
     let case = crate::common::Golden::open("dspark-tiny");
     for (prompt, n, params) in [

@@ -259,6 +259,70 @@ fn sampler_standard_distributions_match_exact_ones_chi_square() {
     }
 }
 
+/// `speculation.distributions` of the standard sampler: each row's distribution follows the
+/// drafts before it (counted by the penalties as output), equals the brute-force one (with the
+/// tail rule past the candidates when no filter cuts the vocabulary), and leaves the sequence
+/// as it was — a twin that never saw the call draws the same next token. A component of the
+/// plain `sampler` world (no `speculation` export) still loads and declines.
+#[test]
+fn sampler_standard_describes_its_distributions_for_speculation() {
+    use kimi_host::engine::{Sampler as _, SamplerRequest};
+    let cache = tempfile::tempdir().expect("tempdir");
+    let rt = runtime(&cache);
+    let vocab = 1000u32;
+    let rows: Vec<Vec<f32>> = (0..4).map(|i| logits(vocab as usize, 500 + i)).collect();
+    let argmax = |r: &[f32]| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap();
+    for (params, t, top_p, freq, presence) in [
+        (r#"{"temperature": 0.8, "top_p": 0.9, "frequency_penalty": 0.5}"#, 0.8, 0.9, 0.5, 0.0),
+        (r#"{"temperature": 1.0, "presence_penalty": 1.0}"#, 1.0, 1.0, 0.0, 1.0),
+        (r#"{"temperature": 1.3}"#, 1.3, 1.0, 0.0, 0.0),
+    ] {
+        let mut ts = standard(&rt, vocab);
+        assert!(ts.describes_distributions());
+        let open = |ts: &mut TenantSampler| ts.open(&SamplerRequest::default(), params, 5, &[1, 2, 3]).expect("open");
+        let (a, b) = (open(&mut ts), open(&mut ts));
+        let first = ts.sample(&[(a, &rows[0])]).remove(0).expect("token");
+        assert_eq!(ts.sample(&[(b, &rows[0])]).remove(0).expect("token"), first, "twins");
+        ts.accept(a, first);
+        ts.accept(b, first);
+        // The drafts: the likeliest token of rows 1 and 2, and the first token again.
+        let drafts = [argmax(&rows[1]), first];
+        let call: Vec<(usize, &[f32])> = vec![(0, &rows[1]), (1, &rows[2]), (2, &rows[3])];
+        let got = ts.distributions(a, &drafts, &call).expect("call").expect("described");
+        assert_eq!(got.len(), 3);
+        for (j, dense) in got.iter().enumerate() {
+            // Brute force: the output so far is `first` and the drafts before row j.
+            let output: Vec<u32> = std::iter::once(first).chain(drafts[..j].iter().copied()).collect();
+            let row: Vec<f32> = rows[j + 1]
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| {
+                    let count = output.iter().filter(|&&o| o == i as u32).count() as f32;
+                    if count > 0.0 { l - freq * count - presence } else { l }
+                })
+                .collect();
+            let want = common::exact_distribution(&row, t, 0, top_p, 0.0);
+            for (i, (g, w)) in dense.iter().zip(&want).enumerate() {
+                assert!((*g as f64 - w).abs() < 1e-6 + 1e-4 * w, "{params}: row {j} token {i}: {g} vs {w}");
+            }
+        }
+        // Neither the drafts nor any draw stayed behind.
+        for r in &rows {
+            let (x, y) = (ts.sample(&[(a, r)]).remove(0).expect("a"), ts.sample(&[(b, r)]).remove(0).expect("b"));
+            assert_eq!(x, y, "{params}: the call changed the sequence");
+            ts.accept(a, x);
+            ts.accept(b, y);
+        }
+    }
+    // A plain `sampler` component: loads, and declines to describe.
+    let hostile = sampler(&rt, "test-hostile", TEST_HOSTILE);
+    let mut ts = TenantSampler::new(hostile, env(64), Arc::new(TenantServices::default()), "t");
+    assert!(!ts.describes_distributions());
+    let seq = ts.open(&SamplerRequest::default(), "{}", 1, &[1]).expect("open");
+    let row = logits(64, 1);
+    assert_eq!(ts.distributions(seq, &[], &[(0, &row)]).expect("no error"), None);
+}
+
 #[test]
 fn compiled_components_are_cached_on_disk() {
     let cache = tempfile::tempdir().expect("tempdir");

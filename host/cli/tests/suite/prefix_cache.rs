@@ -259,7 +259,7 @@ fn cached_prefixes_with_a_draft_give_the_plain_tokens() {
     let draft = Arc::new(DsparkDraft::load(&g.join("dspark-tiny"), &model).expect("draft"));
     let base = EngineConfig { max_batched_tokens: 512, max_seqs: 16, state_memory: 64 << 20, ..Default::default() };
     let plain = Engine::start(model.clone(), base.clone()).expect("plain");
-    let cfg = EngineConfig { prefix_cache: true, speculation: Some(Speculation { draft, tokens: 3 }), ..base };
+    let cfg = EngineConfig { prefix_cache: true, speculation: Some(Speculation::new(draft, 3)), ..base };
     let engine = Engine::start(model.clone(), cfg).expect("engine");
     let shared = ids(1, 150, v);
     let with = |tail: u32| -> Vec<u32> { shared.iter().copied().chain(ids(tail, 9, v)).collect() };

@@ -143,3 +143,60 @@ fn sequences_sampled_in_turn_on_one_thread_do_not_share_adjustments() {
     common::assert_chi_square(&counts_a, &want_a, n, "penalised");
     common::assert_chi_square(&counts_b, &exact(&logits, &plain), n, "plain after penalised");
 }
+
+/// `distribution` (what speculative decoding draws drafts from and verifies against) gives,
+/// token for token, the brute-force probabilities of the penalised, filtered row — with a
+/// tail rule when no filter cuts the vocabulary — and leaves the random stream alone.
+#[test]
+fn distributions_equal_the_brute_force_rows() {
+    let logits: Vec<f32> = (0..400).map(|i| 6.0 - 2.0 * (((i * 7919) % 400) as f32 + 1.0).ln()).collect();
+    let top: Vec<u32> = top_k(&logits, 8).into_iter().map(|c| c.0).collect();
+    let low = top_k(&logits, 400)[350].0;
+    let prompt = vec![top[0], top[3], 17, 17];
+    let generated = vec![top[1], top[2], top[1], top[1], top[0]];
+    for p in [
+        Params { temperature: 0.9, frequency_penalty: 0.7, presence_penalty: 0.4, ..Default::default() },
+        Params { temperature: 1.1, repetition_penalty: 1.6, top_p: 0.9, ..Default::default() },
+        Params {
+            temperature: 1.0,
+            frequency_penalty: -0.5,
+            repetition_penalty: 0.8,
+            min_p: 0.02,
+            logit_bias: [(low, 9.0), (top[0], -3.0)].into_iter().collect(),
+            ..Default::default()
+        },
+        Params { temperature: 0.8, top_k: 5, presence_penalty: 1.5, ..Default::default() },
+        Params { temperature: 1.2, top_k: 40, top_p: 0.8, min_p: 0.01, frequency_penalty: 1.0, ..Default::default() },
+        Params { temperature: 1.5, top_p: 0.97, repetition_penalty: 1.3, ..Default::default() },
+        Params { temperature: 1.0, logit_bias: [(low, f32::NEG_INFINITY)].into_iter().collect(), ..Default::default() },
+        Params { temperature: 0.0, presence_penalty: 2.0, ..Default::default() },
+    ] {
+        let row = penalised(&logits, &p, &prompt, &generated);
+        let want: Vec<f64> = if p.temperature == 0.0 {
+            let argmax = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).unwrap().0;
+            (0..row.len()).map(|i| (i == argmax) as u8 as f64).collect()
+        } else {
+            exact(&row, &p)
+        };
+        let mut s = SeqState::new(p.clone(), 3);
+        s.accept(&prompt);
+        s.sample(&mut SliceLogits(&logits), vec![]).unwrap(); // ends the prompt
+        s.accept(&generated);
+        let mut twin = s.clone();
+        for cands in [top_k(&logits, 16), vec![], top_k(&logits, 400)] {
+            let d = s.distribution(&mut SliceLogits(&logits), cands.clone()).unwrap();
+            let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p == 0.0 && p.temperature > 0.0;
+            assert_eq!(d.tail.is_some(), unfiltered && cands.len() < logits.len(), "{p:?}: tail");
+            let got = d.dense(&logits);
+            let sum: f64 = got.iter().map(|&x| x as f64).sum();
+            assert!((sum - 1.0).abs() < 1e-4, "{p:?}: sums to {sum}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((*g as f64 - w).abs() < 1e-5 + 1e-4 * w, "{p:?}: token {i}: {g} vs {w}");
+            }
+        }
+        // The random stream is untouched: the next draw is the twin's.
+        let a = s.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap();
+        let b = twin.sample(&mut SliceLogits(&logits), top_k(&logits, 16)).unwrap();
+        assert_eq!(a, b, "{p:?}");
+    }
+}
