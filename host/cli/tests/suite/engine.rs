@@ -426,10 +426,12 @@ fn speculative_decoding_emits_exactly_the_plain_tokens() {
     plain.shutdown(Duration::from_secs(5));
 }
 
-/// At temperature 1 with top-p (and top-k, to keep the outcome space small), the first three
-/// tokens of speculative decoding follow the target's exact joint distribution — computed by
-/// brute force from the model's rows — by a chi-square test over 1,600 sequences; the draft
-/// proposes for tokens 2 and 3, so verify, rejection and rollback all sit under the test.
+/// At temperature 1 with top-p, a presence penalty (and top-k, to keep the outcome space small),
+/// the first three tokens of speculative decoding with sampled drafts follow the target's exact
+/// joint distribution — computed by brute force from the model's rows — by a chi-square test over
+/// 1,600 sequences; the draft proposes for tokens 2 and 3, so drafts drawn from the sampler's
+/// distribution, rejection sampling, the correction and bonus draws and the rollback all sit
+/// under the test.
 #[test]
 fn speculative_sampling_follows_the_exact_distribution() {
     use kimi_host::engine::Speculation;
@@ -449,21 +451,27 @@ fn speculative_sampling_follows_the_exact_distribution() {
     };
     let engine = Engine::start(model.clone(), cfg).expect("engine");
     let prompt = crate::common::Golden::open("dspark-tiny").ids("prompt.input_ids");
-    let (t, top_k, top_p) = (1.0, 4, 0.9);
-    let params = format!(r#"{{"temperature": {t}, "top_k": {top_k}, "top_p": {top_p}}}"#);
+    let (t, top_k, top_p, presence) = (1.0, 4, 0.9, 0.5f32);
+    let params =
+        format!(r#"{{"temperature": {t}, "top_k": {top_k}, "top_p": {top_p}, "presence_penalty": {presence}}}"#);
 
-    // The exact joint distribution of the first three tokens.
-    let dist = |row: &[f32]| crate::common::exact_distribution(row, t, top_k, top_p, 0.0);
+    // The exact joint distribution of the first three tokens (the presence penalty lowers the
+    // tokens already generated, drafts the sampler described included).
+    let dist = |row: &[f32], output: &[usize]| {
+        let row: Vec<f32> =
+            row.iter().enumerate().map(|(i, &l)| if output.contains(&i) { l - presence } else { l }).collect();
+        crate::common::exact_distribution(&row, t, top_k, top_p, 0.0)
+    };
     let mut exact: Vec<([u32; 3], f64)> = Vec::new();
     let mut st = model.new_state();
     let row1 = model.forward(&prompt, &mut st, LogitsFor::LastToken, None).expect("prefill");
-    for (a, &pa) in dist(&row1).iter().enumerate().filter(|(_, p)| **p > 0.0) {
+    for (a, &pa) in dist(&row1, &[]).iter().enumerate().filter(|(_, p)| **p > 0.0) {
         let mut s1 = st.fork().expect("fork");
         let row2 = model.forward(&[a as u32], &mut s1, LogitsFor::LastToken, None).expect("step");
-        for (b, &pb) in dist(&row2).iter().enumerate().filter(|(_, p)| **p > 0.0) {
+        for (b, &pb) in dist(&row2, &[a]).iter().enumerate().filter(|(_, p)| **p > 0.0) {
             let mut s2 = s1.fork().expect("fork");
             let row3 = model.forward(&[b as u32], &mut s2, LogitsFor::LastToken, None).expect("step");
-            for (c, &pc) in dist(&row3).iter().enumerate().filter(|(_, p)| **p > 0.0) {
+            for (c, &pc) in dist(&row3, &[a, b]).iter().enumerate().filter(|(_, p)| **p > 0.0) {
                 exact.push(([a as u32, b as u32, c as u32], pa * pb * pc));
             }
         }
