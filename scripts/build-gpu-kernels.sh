@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
-# Builds every GPU kernel (kernels/ops/*.cu) ahead of time, with no GPU and no ROCm or CUDA:
-#   gfx950 (MI355X) and gfx942 (compile-only) code objects, and sm_90 (H200) PTX,
-# through the clang 22 of PyPI's ziglang (pinned), header-free (kernels/include/kpl/).
+# Builds every GPU kernel ahead of time, with no GPU and no ROCm or CUDA:
+#   kernels/ops/*.cu: gfx950 (MI355X) and gfx942 (compile-only) code objects, and sm_90 (H200)
+#   PTX, through the clang 22 of PyPI's ziglang (pinned), header-free (kernels/include/kpl/);
+#   kernels/triton: gfx950 code objects and sm_90 cubins through Triton's compiler (pinned).
 # Writes OUT/<arch>/<op>.{co,s,ptx} and OUT/manifest.json: per kernel and arch the parameter
 # struct's size (read from the compiled code), registers, LDS and spills; `kimi-host kernels
 # report` prints it.
 #
 #   scripts/build-gpu-kernels.sh [OUT]        (default: target/gpu-kernels)
-#   KIMI_GPU_TOOLS=DIR  where the Python venv with ziglang lives (default: target/gpu-tools)
+#   KIMI_GPU_TOOLS=DIR  where the Python venv lives (scripts/gpu-tools.sh; default: target/gpu-tools)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/target/gpu-kernels}
-tools=${KIMI_GPU_TOOLS:-$root/target/gpu-tools}
-ziglang_version=0.17.1
-
-if ! "$tools/bin/python" -c "import ziglang" 2>/dev/null; then
-    python3 -m venv "$tools"
-    "$tools/bin/pip" install -q "ziglang==$ziglang_version"
-fi
-zig=("$tools/bin/python" -m ziglang)
+python=$("$root/scripts/gpu-tools.sh")
+tools=$(dirname "$(dirname "$python")")
+ziglang_version=$("$python" -c "import importlib.metadata as m; print(m.version('ziglang'))")
+zig=("$python" -m ziglang)
 
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -48,6 +45,9 @@ for src in "$root"/kernels/ops/*.cu; do
     "${zig[@]}" clang "${nv[@]}" "${common[@]}" -S "$src" -o "$out/sm_90/$op.ptx"
 done
 
+# The Triton kernels (kernels/triton): gfx950 code objects and sm_90 cubins, into OUT/triton.json.
+"$python" "$root/kernels/triton/aot.py" "$out"
+
 compiler=$("${zig[@]}" clang --version | head -n 1)
 "$tools/bin/python" - "$out" "$compiler (ziglang $ziglang_version)" <<'PY'
 import json, os, re, sys
@@ -73,7 +73,8 @@ def amd(arch, op):
             "params_size": int(first.group(1)) if first else 0,
             "vgpr": num("vgpr_count"), "agpr": num("agpr_count"), "sgpr": num("sgpr_count"),
             "ptx_regs": None, "lds": num("group_segment_fixed_size"),
-            "spills": (num("vgpr_spill_count") or 0) + (num("sgpr_spill_count") or 0),
+            "spills": num("vgpr_spill_count") or 0, "sgpr_spills": num("sgpr_spill_count") or 0,
+            "source": "kpl",
         })
 
 def nv(op):
@@ -87,6 +88,7 @@ def nv(op):
         kernels.append({
             "name": m.group(1), "arch": "sm_90", "file": f"sm_90/{op}.ptx", "params_size": int(m.group(2)),
             "vgpr": None, "agpr": None, "sgpr": None, "ptx_regs": regs, "lds": shared, "spills": None,
+            "source": "kpl",
         })
 
 ops = sorted(f[:-3] for f in os.listdir(os.path.join(out, "gfx950")) if f.endswith(".co"))
@@ -94,6 +96,9 @@ for op in ops:
     amd("gfx950", op)
     amd("gfx942", op)
     nv(op)
+triton = json.load(open(os.path.join(out, "triton.json")))
+kernels.extend(triton["kernels"])
+compiler = f"{compiler}; {triton['compiler']}"
 json.dump({"compiler": compiler, "kernels": kernels}, open(os.path.join(out, "manifest.json"), "w"), indent=1)
 print(f"{len(kernels)} kernel builds in {out}/manifest.json")
 PY

@@ -1,7 +1,8 @@
 //! The ahead-of-time build: every kernel of `kernels/ops/` compiles for gfx950, gfx942 and sm_90
 //! with the pinned clang of PyPI's ziglang (no GPU, ROCm or CUDA), its parameter struct has the
-//! size of its Rust mirror on every target, and no AMD build spills. Skipped, saying so, only
-//! when the ziglang venv cannot be installed (no PyPI).
+//! size of its Rust mirror on every target, and no AMD build spills; every Triton kernel of
+//! `kernels/triton/` compiles for gfx950 and sm_90 onto the matrix cores. Skipped, saying so,
+//! only when the tools' venv cannot be installed (no PyPI).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -56,9 +57,35 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
             assert!(out.join(&k.file).is_file(), "{}", k.file);
             if arch != "sm_90" {
                 assert_eq!(k.spills, Some(0), "{name} on {arch} spills");
+                assert_eq!(k.sgpr_spills, Some(0), "{name} on {arch} spills SGPRs");
                 assert!(k.vgpr.is_some_and(|v| v > 0) && k.sgpr.is_some(), "{name} on {arch}: register counts");
             } else {
                 assert!(k.ptx_regs.is_some_and(|r| r > 0));
+            }
+        }
+    }
+    // The Triton kernels: a gfx950 code object and an sm_90 cubin each, on the matrix cores
+    // (MFMA / wgmma or mma), no VGPR spilled to scratch on gfx950.
+    for name in ["triton_matmul_bf16", "triton_matmul_mxfp4", "triton_matmul_fp8", "triton_moe_mxfp4"] {
+        for (arch, machine) in [("gfx950", 224u16), ("sm_90", 190)] {
+            let k = m
+                .kernels
+                .iter()
+                .find(|k| k.name == name && k.arch == arch)
+                .unwrap_or_else(|| panic!("{name} was not built for {arch}"));
+            assert_eq!(k.source, "triton");
+            assert!(k.signature.as_ref().is_some_and(|s| s.starts_with('*')), "{name}: signature");
+            let bin = std::fs::read(out.join(&k.file)).expect("artifact");
+            assert_eq!(&bin[..4], b"\x7fELF", "{}", k.file);
+            assert_eq!(u16::from_le_bytes([bin[18], bin[19]]), machine, "{}: ELF machine", k.file);
+            assert!(k.lds.is_some_and(|l| l > 0), "{name} on {arch}: shared memory for the tiles");
+            if arch == "gfx950" {
+                assert_eq!(k.spills, Some(0), "{name} on gfx950 spills VGPRs to scratch");
+                let asm = std::fs::read_to_string(out.join(k.file.replace(".hsaco", ".s"))).expect("asm");
+                assert!(asm.contains("v_mfma"), "{name}: no MFMA on gfx950");
+            } else {
+                let ptx = std::fs::read_to_string(out.join(k.file.replace(".cubin", ".ptx"))).expect("ptx");
+                assert!(ptx.contains("mma"), "{name}: no mma on sm_90");
             }
         }
     }

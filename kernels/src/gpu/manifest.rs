@@ -1,6 +1,6 @@
 //! The manifest `scripts/build-gpu-kernels.sh` writes beside the code objects: per kernel and
 //! architecture, the file, the parameter struct's size (so a loader can refuse a mismatched
-//! artifact), registers, LDS and spills, and the compiler that built it.
+//! artifact) or a Triton kernel's signature, registers, LDS and spills, and the compilers.
 
 use serde::Deserialize;
 
@@ -25,8 +25,18 @@ pub struct KernelEntry {
     pub ptx_regs: Option<u32>,
     /// Workgroup (shared) memory in bytes.
     pub lds: Option<u32>,
-    /// Registers spilled to scratch (AMD); `None` where the compiler does not say (PTX).
+    /// VGPRs spilled to scratch memory (AMD); `None` where the compiler does not say (PTX).
     pub spills: Option<u32>,
+    /// SGPRs spilled to lanes of spare VGPRs (AMD; no memory traffic).
+    #[serde(default)]
+    pub sgpr_spills: Option<u32>,
+    /// `kpl` (kernels/ops, one parameter struct) or `triton` (kernels/triton).
+    #[serde(default)]
+    pub source: String,
+    /// A Triton kernel's argument types in order (it takes them one by one, not as a struct;
+    /// `params_size` is 0).
+    #[serde(default)]
+    pub signature: Option<String>,
 }
 
 impl Manifest {
@@ -40,14 +50,14 @@ impl std::fmt::Display for Manifest {
         writeln!(f, "compiler: {}", self.compiler)?;
         writeln!(
             f,
-            "{:<24} {:<7} {:>7} {:>5} {:>5} {:>5} {:>8} {:>6} {:>7}",
-            "kernel", "arch", "params", "vgpr", "agpr", "sgpr", "ptx regs", "lds", "spills"
+            "{:<26} {:<7} {:>7} {:>5} {:>5} {:>5} {:>8} {:>6} {:>7} {:>11}",
+            "kernel", "arch", "params", "vgpr", "agpr", "sgpr", "ptx regs", "lds", "spills", "sgpr→vgpr"
         )?;
         let opt = |v: Option<u32>| v.map_or("-".to_string(), |v| v.to_string());
         for k in &self.kernels {
             writeln!(
                 f,
-                "{:<24} {:<7} {:>7} {:>5} {:>5} {:>5} {:>8} {:>6} {:>7}",
+                "{:<26} {:<7} {:>7} {:>5} {:>5} {:>5} {:>8} {:>6} {:>7} {:>11}",
                 k.name,
                 k.arch,
                 k.params_size,
@@ -56,7 +66,8 @@ impl std::fmt::Display for Manifest {
                 opt(k.sgpr),
                 opt(k.ptx_regs),
                 opt(k.lds),
-                opt(k.spills)
+                opt(k.spills),
+                opt(k.sgpr_spills)
             )?;
         }
         Ok(())

@@ -1,0 +1,325 @@
+//! The Triton kernels (`kernels/triton/`) run on the CPU by Triton's interpreter (numpy only, every
+//! buffer ending at a guard page) against the Rust CPU backend: this test writes cases — inputs,
+//! the CPU backend's outputs and an error bound per element — and `kernels/triton/check.py`
+//! launches each kernel on them. Shapes are small and ragged (partial row, column and K tiles, one
+//! token, several K steps), with MXFP4 scale bytes 0, 254 and 255, a zero FP8 row and an empty
+//! expert group. Skipped, saying so, only when the tools' venv cannot be installed (no PyPI).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use kimi_kernels::cpu::fp8::{e4m3_to_f32, f32_to_e4m3, quantize_rows as fp8_rows};
+use kimi_kernels::cpu::mxfp4::quantize_rows as mxfp4_rows;
+use kimi_kernels::{Backend, Bf16Matrix, CpuBackend, Fp8Matrix, Matrix, Mxfp4Matrix, f32_to_bf16_bits};
+use serde_json::json;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Deterministic values in about [-1, 1].
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn bf16(x: f32) -> f32 {
+    f32::from_bits((f32_to_bf16_bits(x) as u32) << 16)
+}
+
+/// A tensor file of a case.
+enum Data {
+    F32(Vec<f32>),
+    U8(Vec<u8>),
+    Bf16(Vec<u16>),
+    I32(Vec<i32>),
+}
+
+struct Case {
+    name: String,
+    kernel: &'static str,
+    params: serde_json::Value,
+    inputs: Vec<(&'static str, Data, Vec<usize>)>,
+    want: Vec<f32>,
+    /// Allowed |Δ| per output: f32 rounding of a different summation order, 1e-5 of Σ|terms|.
+    bound: Vec<f32>,
+    shape: Vec<usize>,
+}
+
+impl Case {
+    fn write(&self, dir: &Path) {
+        let d = dir.join(&self.name);
+        std::fs::create_dir_all(&d).expect("case dir");
+        let mut inputs = serde_json::Map::new();
+        for (name, data, shape) in &self.inputs {
+            let (dtype, bytes, bf16): (&str, Vec<u8>, bool) = match data {
+                Data::F32(v) => ("f32", v.iter().flat_map(|x| x.to_le_bytes()).collect(), false),
+                Data::U8(v) => ("u8", v.clone(), false),
+                Data::Bf16(v) => ("u16", v.iter().flat_map(|x| x.to_le_bytes()).collect(), true),
+                Data::I32(v) => ("i32", v.iter().flat_map(|x| x.to_le_bytes()).collect(), false),
+            };
+            std::fs::write(d.join(format!("{name}.bin")), bytes).expect("write input");
+            inputs.insert(
+                name.to_string(),
+                json!({"file": format!("{name}.bin"), "dtype": dtype, "shape": shape, "bf16": bf16}),
+            );
+        }
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        std::fs::write(d.join("want.bin"), f32s(&self.want)).expect("want");
+        std::fs::write(d.join("bound.bin"), f32s(&self.bound)).expect("bound");
+        let case = json!({
+            "name": self.name, "kernel": self.kernel, "params": self.params, "inputs": inputs,
+            "want": {"file": "want.bin", "dtype": "f32", "shape": self.shape},
+            "bound": {"file": "bound.bin", "dtype": "f32", "shape": self.shape},
+        });
+        std::fs::write(d.join("case.json"), case.to_string()).expect("case.json");
+    }
+}
+
+/// 1e-5 · Σ_c |w[r, c] x[t, c]| per output (f32 accumulation in another order stays well inside).
+fn bound(w: &[f32], x: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for t in 0..m {
+        for r in 0..n {
+            let s: f64 = (0..k).map(|c| (w[r * k + c] as f64 * x[t * k + c] as f64).abs()).sum();
+            out[t * n + r] = (1e-5 * s) as f32 + 1e-30;
+        }
+    }
+    out
+}
+
+fn blocks(bk: usize) -> serde_json::Value {
+    json!({"block_m": 16, "block_n": 32, "block_k": bk})
+}
+
+fn with_blocks(mut p: serde_json::Value, bk: usize) -> serde_json::Value {
+    for (k, v) in blocks(bk).as_object().expect("object") {
+        p[k] = v.clone();
+    }
+    p
+}
+
+fn bf16_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    for (m, n, k) in [(1, 33, 64), (3, 37, 96), (17, 64, 160)] {
+        let w: Vec<u16> = rng.vec(n * k).into_iter().map(f32_to_bf16_bits).collect();
+        let x = rng.vec(m * k);
+        // The matrix cores see BF16 activations: the reference gets the same rounded values.
+        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        let mut want = vec![0f32; m * n];
+        CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&w, n, k)), &xr, m, &mut want);
+        let wf: Vec<f32> = w.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+        out.push(Case {
+            name: format!("bf16_m{m}_n{n}_k{k}"),
+            kernel: "matmul_bf16",
+            params: with_blocks(json!({"m": m, "n": n, "k": k}), 64),
+            inputs: vec![("x", Data::F32(x), vec![m, k]), ("w", Data::Bf16(w), vec![n, k])],
+            bound: bound(&wf, &xr, n, k, m),
+            want,
+            shape: vec![m, n],
+        });
+    }
+}
+
+/// An MXFP4 matrix from random values, with scale bytes at the edges of the E8M0 range in some
+/// rows: 0 (2⁻¹²⁷), 254 (2¹²⁷, with one small code so the row stays finite) and 255 (NaN).
+fn mxfp4_matrix(rng: &mut Rng, n: usize, k: usize, edges: bool) -> (Vec<u8>, Vec<u8>) {
+    let (mut q, mut s) = mxfp4_rows(&rng.vec(n * k), n, k);
+    if edges && n >= 3 {
+        s[0] = 0;
+        let g = k / 32;
+        q[k / 2..k / 2 + 16].fill(0);
+        q[k / 2] = 0x01; // one 0.5 in the group
+        s[g] = 254;
+        s[2 * g + g - 1] = 255;
+    }
+    (q, s)
+}
+
+fn mxfp4_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    for (m, n, k, bk) in [(1, 33, 64, 64), (3, 65, 96, 64), (17, 40, 160, 32)] {
+        let (q, s) = mxfp4_matrix(rng, n, k, true);
+        let x = rng.vec(m * k);
+        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        let mat = Mxfp4Matrix::new(&q, &s, n, k);
+        let mut want = vec![0f32; m * n];
+        CpuBackend.matmul(&Matrix::Mxfp4(mat), &xr, m, &mut want);
+        let wf: Vec<f32> = mat.to_f32().into_iter().map(|v| if v.is_nan() { 0.0 } else { v }).collect();
+        out.push(Case {
+            name: format!("mxfp4_m{m}_n{n}_k{k}_bk{bk}"),
+            kernel: "matmul_mxfp4",
+            params: with_blocks(json!({"m": m, "n": n, "k": k}), bk),
+            inputs: vec![
+                ("x", Data::F32(x), vec![m, k]),
+                ("wq", Data::U8(q), vec![n, k / 2]),
+                ("ws", Data::U8(s), vec![n, k / 32]),
+            ],
+            bound: bound(&wf, &xr, n, k, m),
+            want,
+            shape: vec![m, n],
+        });
+    }
+}
+
+fn fp8_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    for (m, n, k) in [(1, 33, 64), (5, 48, 96)] {
+        let mut wv = rng.vec(n * k);
+        wv[..k].fill(0.0); // a zero row: scale 1, every code 0
+        // Row 1: one large value and the rest 10⁻⁵ of it, so its codes reach E4M3's subnormals.
+        for v in &mut wv[k + 1..2 * k] {
+            *v *= 1e-5;
+        }
+        wv[k] = 1.0;
+        let (wq, ws) = fp8_rows(&wv, n, k);
+        let mut x = rng.vec(m * k);
+        // Token 0 the same way.
+        for v in &mut x[1..k] {
+            *v *= 1e-5;
+        }
+        x[0] = -1.0;
+        let mut want = vec![0f32; m * n];
+        CpuBackend.matmul(&Matrix::Fp8(Fp8Matrix::new(&wq, &ws, n, k)), &x, m, &mut want);
+        // The tokens' codes and scales as the CPU product forms them (ATOM's ptpc_fp8).
+        let mut xq = vec![0u8; m * k];
+        let mut xs = vec![1f32; m];
+        for t in 0..m {
+            let row = &x[t * k..(t + 1) * k];
+            let mx = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+            if mx > 0.0 {
+                xs[t] = mx / 448.0;
+            }
+            for (c, v) in row.iter().enumerate() {
+                xq[t * k + c] = f32_to_e4m3(v / xs[t]);
+            }
+        }
+        let wf: Vec<f32> = (0..n * k).map(|i| e4m3_to_f32(wq[i]) * ws[i / k]).collect();
+        let xf: Vec<f32> = (0..m * k).map(|i| e4m3_to_f32(xq[i]) * xs[i / k]).collect();
+        out.push(Case {
+            name: format!("fp8_m{m}_n{n}_k{k}"),
+            kernel: "matmul_fp8",
+            params: with_blocks(json!({"m": m, "n": n, "k": k}), 64),
+            inputs: vec![
+                ("xq", Data::U8(xq), vec![m, k]),
+                ("xs", Data::F32(xs), vec![m]),
+                ("wq", Data::U8(wq), vec![n, k]),
+                ("ws", Data::F32(ws), vec![n]),
+            ],
+            bound: bound(&wf, &xf, n, k, m),
+            want,
+            shape: vec![m, n],
+        });
+    }
+}
+
+/// Grouped MoE over MXFP4 experts: 20 tokens, 2 choices each, routed unevenly — expert 0 takes
+/// 18 pairs (two row tiles), expert 2 none.
+fn moe_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    let (experts, n, k, tokens) = (5usize, 48usize, 96usize, 20usize);
+    let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..experts).map(|_| mxfp4_matrix(rng, n, k, false)).collect();
+    let x = rng.vec(tokens * k);
+    let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+    let mut pairs: Vec<(usize, usize)> = Vec::new(); // (expert, token)
+    for t in 0..tokens {
+        let a = if t < 18 { 0 } else { 1 };
+        let b = [1, 3, 4][t % 3];
+        pairs.push((a, t));
+        pairs.push((b, t));
+    }
+    pairs.sort();
+    let mut offsets = vec![0i32; experts + 1];
+    for &(e, _) in &pairs {
+        offsets[e + 1] += 1;
+    }
+    for e in 0..experts {
+        offsets[e + 1] += offsets[e];
+    }
+    assert_eq!(offsets[3] - offsets[2], 0, "expert 2 is empty");
+    let rows: Vec<i32> = pairs.iter().map(|p| p.1 as i32).collect();
+    let p = pairs.len();
+    let mut want = vec![0f32; p * n];
+    let mut bnd = vec![0f32; p * n];
+    for (i, &(e, t)) in pairs.iter().enumerate() {
+        let mat = Mxfp4Matrix::new(&mats[e].0, &mats[e].1, n, k);
+        CpuBackend.matmul(&Matrix::Mxfp4(mat), &xr[t * k..(t + 1) * k], 1, &mut want[i * n..(i + 1) * n]);
+        bnd[i * n..(i + 1) * n].copy_from_slice(&bound(&mat.to_f32(), &xr[t * k..(t + 1) * k], n, k, 1));
+    }
+    let wq: Vec<u8> = mats.iter().flat_map(|m| m.0.clone()).collect();
+    let ws: Vec<u8> = mats.iter().flat_map(|m| m.1.clone()).collect();
+    out.push(Case {
+        name: "moe_mxfp4_e5_t20".into(),
+        kernel: "moe_mxfp4",
+        params: with_blocks(json!({"experts": experts, "n": n, "k": k}), 64),
+        inputs: vec![
+            ("x", Data::F32(x), vec![tokens, k]),
+            ("rows", Data::I32(rows), vec![p]),
+            ("offsets", Data::I32(offsets), vec![experts + 1]),
+            ("wq", Data::U8(wq), vec![experts, n, k / 2]),
+            ("ws", Data::U8(ws), vec![experts, n, k / 32]),
+        ],
+        want,
+        bound: bnd,
+        shape: vec![p, n],
+    });
+}
+
+#[test]
+fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
+    let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
+    if !tools.status.success() {
+        let err = String::from_utf8_lossy(&tools.stderr);
+        if err.contains("pip") || err.contains("No matching distribution") || err.contains("venv") {
+            eprintln!("SKIPPED: the GPU tools' venv (triton, numpy) could not be installed:\n{err}");
+            return;
+        }
+        panic!("scripts/gpu-tools.sh failed:\n{err}");
+    }
+    let python = String::from_utf8_lossy(&tools.stdout).trim().to_string();
+    let dir = root().join("target/triton-cases");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut cases = Vec::new();
+    bf16_cases(&mut rng, &mut cases);
+    mxfp4_cases(&mut rng, &mut cases);
+    fp8_cases(&mut rng, &mut cases);
+    moe_cases(&mut rng, &mut cases);
+    for c in &cases {
+        c.write(&dir);
+    }
+    // The interpreter runs the kernels in Python; a hang (a loop that never ends) must not stall CI.
+    let mut child = Command::new(&python)
+        .arg(root().join("kernels/triton/check.py"))
+        .arg(&dir)
+        .env("TRITON_INTERPRET", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python");
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("check.py ran past 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let run = child.wait_with_output().expect("output");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    print!("{stdout}");
+    assert!(
+        run.status.success(),
+        "Triton kernels disagree with the CPU backend (status {:?}; a signal means a guard page was hit):\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains(&format!("{n} of {n} Triton cases match", n = cases.len())), "{stdout}");
+}

@@ -1,0 +1,89 @@
+"""Builds every Triton kernel ahead of time, with no GPU: gfx950 (MI355X, wave 64) code objects
+and sm_90 (H200) cubins, through Triton's own compiler. Writes OUT/<arch>/<kernel>.{hsaco,cubin}
+(with the AMD assembly / PTX beside them) and OUT/triton.json, the kernels' manifest entries
+(`scripts/build-gpu-kernels.sh` merges them into OUT/manifest.json).
+
+    python kernels/triton/aot.py OUT
+"""
+
+import json
+import os
+import re
+import sys
+
+# Pinned: Triton 3.9 warns that its default flips in 3.10, which would change codegen silently.
+os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kimi_triton import gemm  # noqa: E402
+
+I32 = "i32"
+# (kernel, signature, constexprs). Tiles: 16 token rows (decode and small batches), 64 outputs,
+# 128 of K (four MXFP4 scale groups) a step.
+TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+KERNELS = [
+    (gemm.matmul_bf16,
+     {"x_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": I32, "N": I32, "K": I32, "stride_xm": I32,
+      "stride_ym": I32},
+     {**TILE, "INTERPRETED": False}),
+    (gemm.matmul_mxfp4,
+     {"x_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*fp32", "M": I32, "N": I32, "K": I32,
+      "stride_xm": I32, "stride_ym": I32},
+     TILE),
+    (gemm.matmul_fp8,
+     {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32", "y_ptr": "*fp32", "M": I32,
+      "N": I32, "K": I32, "stride_ym": I32},
+     {**TILE, "INTERPRETED": False}),
+    (gemm.moe_mxfp4,
+     {"x_ptr": "*fp32", "rows_ptr": "*i32", "offsets_ptr": "*i32", "wq_ptr": "*u8", "ws_ptr": "*u8",
+      "y_ptr": "*fp32", "N": I32, "K": I32, "stride_xm": I32, "stride_ym": I32},
+     TILE),
+]
+TARGETS = [("gfx950", GPUTarget("hip", "gfx950", 64)), ("sm_90", GPUTarget("cuda", 90, 32))]
+
+
+def amd_counts(asm):
+    def num(key):
+        m = re.search(r"\." + key + r":\s+(\d+)", asm)
+        return int(m.group(1)) if m else None
+    # VGPR spills go to scratch memory; SGPR spills to lanes of spare VGPRs (no memory traffic).
+    return {"vgpr": num("vgpr_count"), "agpr": num("agpr_count"), "sgpr": num("sgpr_count"),
+            "spills": num("vgpr_spill_count") or 0, "sgpr_spills": num("sgpr_spill_count") or 0}
+
+
+def main():
+    out = sys.argv[1]
+    entries = []
+    for fn, signature, constexprs in KERNELS:
+        sig = dict(signature, **{k: "constexpr" for k in constexprs})
+        for arch, target in TARGETS:
+            os.makedirs(os.path.join(out, arch), exist_ok=True)
+            k = triton.compile(ASTSource(fn, sig, constexprs), target=target)
+            name = fn.__name__
+            entry = {"name": f"triton_{name}", "arch": arch, "params_size": 0, "vgpr": None, "agpr": None,
+                     "sgpr": None, "ptx_regs": None, "lds": k.metadata.shared, "spills": None,
+                     "source": "triton", "signature": ",".join(signature.values())}
+            if arch == "sm_90":
+                entry["file"] = f"sm_90/triton_{name}.cubin"
+                open(os.path.join(out, entry["file"]), "wb").write(k.asm["cubin"])
+                ptx = k.asm["ptx"]
+                open(os.path.join(out, f"sm_90/triton_{name}.ptx"), "w").write(ptx)
+                entry["ptx_regs"] = sum(int(n) for n in re.findall(r"\.reg \.\w+\s+%\w+<(\d+)>;", ptx))
+            else:
+                entry["file"] = f"{arch}/triton_{name}.hsaco"
+                open(os.path.join(out, entry["file"]), "wb").write(k.asm["hsaco"])
+                asm = k.asm["amdgcn"]
+                open(os.path.join(out, f"{arch}/triton_{name}.s"), "w").write(asm)
+                entry.update(amd_counts(asm))
+            entries.append(entry)
+    compiler = f"triton {triton.__version__}"
+    json.dump({"compiler": compiler, "kernels": entries}, open(os.path.join(out, "triton.json"), "w"), indent=1)
+    print(f"{len(entries)} Triton kernel builds ({compiler})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Runs the Triton kernels on the CPU (Triton's interpreter, numpy only) over cases written by the
+Rust test `kernels/kpl-host/tests/triton.rs`, whose expected outputs come from the Rust CPU
+backend, and compares. Every buffer a kernel sees ends at a guard page, so a read or write past
+it kills the process. Prints one line per case; exits non-zero on any mismatch.
+
+    TRITON_INTERPRET=1 python kernels/triton/check.py CASES_DIR
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+
+from kimi_triton import gemm  # noqa: E402
+from kimi_triton.guard import guarded  # noqa: E402
+
+DTYPES = {"f32": np.float32, "u8": np.uint8, "u16": np.uint16, "i32": np.int32}
+
+
+def load(case_dir, spec):
+    a = np.fromfile(os.path.join(case_dir, spec["file"]), dtype=DTYPES[spec["dtype"]])
+    return a.reshape(spec["shape"])
+
+
+def launch(kernel, p, t, out):
+    """Launches `kernel` with the case's sizes `p`, its guarded inputs `t` and output `out`."""
+    bm, bn, bk = p["block_m"], p["block_n"], p["block_k"]
+    cdiv = triton.cdiv
+    if kernel == "matmul_bf16":
+        m, n, k = p["m"], p["n"], p["k"]
+        gemm.matmul_bf16[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["w"], out, m, n, k, k, n,
+                                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=True)
+    elif kernel == "matmul_mxfp4":
+        m, n, k = p["m"], p["n"], p["k"]
+        gemm.matmul_mxfp4[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["wq"], t["ws"], out, m, n, k, k, n,
+                                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    elif kernel == "matmul_fp8":
+        m, n, k = p["m"], p["n"], p["k"]
+        gemm.matmul_fp8[(cdiv(m, bm), cdiv(n, bn))](t["xq"], t["xs"], t["wq"], t["ws"], out, m, n, k, n,
+                                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=True)
+    elif kernel == "moe_mxfp4":
+        e, n, k = p["experts"], p["n"], p["k"]
+        biggest = int(np.diff(t["offsets"].array).max(initial=0))
+        grid = (e, max(1, cdiv(biggest, bm)), cdiv(n, bn))
+        gemm.moe_mxfp4[grid](t["x"], t["rows"], t["offsets"], t["wq"], t["ws"], out, n, k, k, n,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    else:
+        raise ValueError(f"unknown kernel {kernel}")
+
+
+def check(case_dir):
+    case = json.load(open(os.path.join(case_dir, "case.json")))
+    # BF16 inputs are stored as their 16-bit patterns and handed over as `bfloat16`.
+    t = {name: guarded(load(case_dir, spec), "bfloat16" if spec.get("bf16") else None)
+         for name, spec in case["inputs"].items()}
+    want = load(case_dir, case["want"])
+    bound = load(case_dir, case["bound"])
+    # The output starts as NaN: an element the kernel never writes shows up.
+    out = guarded(np.full(want.shape, np.nan, dtype=np.float32))
+    t0 = time.perf_counter()
+    launch(case["kernel"], case["params"], t, out)
+    took = time.perf_counter() - t0
+    got = out.array
+    same_nan = np.array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    err = np.abs(got[finite].astype(np.float64) - want[finite])
+    over = err > bound[finite]
+    worst = float(err.max(initial=0.0))
+    ok = same_nan and not over.any()
+    print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: max |Δ| {worst:.3g}"
+          f"{'' if same_nan else ' (NaN positions differ)'}{f' ({int(over.sum())} over the bound)' if over.any() else ''}"
+          f" [{took:.2f} s]", flush=True)
+    return ok
+
+
+def main():
+    root = sys.argv[1]
+    cases = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "case.json")))
+    failed = [c for c in cases if not check(os.path.join(root, c))]
+    print(f"{len(cases) - len(failed)} of {len(cases)} Triton cases match the CPU backend")
+    sys.exit(1 if failed or not cases else 0)
+
+
+if __name__ == "__main__":
+    main()
