@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kimi_triton import gemm  # noqa: E402
+from kimi_triton import gemm, mla  # noqa: E402
 
 I32 = "i32"
 # (kernel, signature, constexprs). Tiles: 16 token rows (decode and small batches), 64 outputs,
@@ -42,6 +42,19 @@ KERNELS = [
      {"x_ptr": "*fp32", "rows_ptr": "*i32", "offsets_ptr": "*i32", "wq_ptr": "*u8", "ws_ptr": "*u8",
       "y_ptr": "*fp32", "N": I32, "K": I32, "stride_xm": I32, "stride_ym": I32},
      TILE),
+]
+# The release MLA: latent rank 512, RoPE 64; 16 heads and 16 positions a block (32 spill on
+# gfx950: the f32 tiles need 402 VGPRs + 146 AGPRs at 16).
+KERNELS += [
+    (mla.mla_decode,
+     {"q_ptr": "*fp32", "cache_ptr": "*fp32", "table_ptr": "*i32", "seq_ptr": "*i32", "pos_ptr": "*i32",
+      "ctx_ptr": "*fp32", "lse_ptr": "*fp32", "T": I32, "H": I32, "RANK": I32, "ROPE": I32, "PAGE_TOKENS": I32,
+      "MAX_PAGES": I32, "SPLIT_TOKENS": I32, "scale": "fp32"},
+     {"BLOCK_H": 16, "BLOCK_S": 16, "R_PAD": 512, "P_PAD": 64}),
+    (mla.attention_merge,
+     {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*fp32", "lse_out_ptr": "*fp32", "ROWS": I32,
+      "WIDTH": I32, "SPLITS": I32},
+     {"BLOCK_W": 512}),
 ]
 TARGETS = [("gfx950", GPUTarget("hip", "gfx950", 64)), ("sm_90", GPUTarget("cuda", 90, 32))]
 

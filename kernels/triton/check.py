@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 
-from kimi_triton import gemm  # noqa: E402
+from kimi_triton import gemm, mla  # noqa: E402
 from kimi_triton.guard import guarded  # noqa: E402
 
 DTYPES = {"f32": np.float32, "u8": np.uint8, "u16": np.uint16, "i32": np.int32}
@@ -29,28 +29,44 @@ def load(case_dir, spec):
     return a.reshape(spec["shape"])
 
 
-def launch(kernel, p, t, out):
-    """Launches `kernel` with the case's sizes `p`, its guarded inputs `t` and output `out`."""
-    bm, bn, bk = p["block_m"], p["block_n"], p["block_k"]
+def launch(kernel, p, t, outs):
+    """Launches `kernel` with the case's sizes `p`, its guarded inputs `t` and outputs `outs`."""
+    bm, bn, bk = p.get("block_m"), p.get("block_n"), p.get("block_k")
     cdiv = triton.cdiv
     if kernel == "matmul_bf16":
         m, n, k = p["m"], p["n"], p["k"]
-        gemm.matmul_bf16[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["w"], out, m, n, k, k, n,
+        gemm.matmul_bf16[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["w"], outs["y"], m, n, k, k, n,
                                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=True)
     elif kernel == "matmul_mxfp4":
         m, n, k = p["m"], p["n"], p["k"]
-        gemm.matmul_mxfp4[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["wq"], t["ws"], out, m, n, k, k, n,
+        gemm.matmul_mxfp4[(cdiv(m, bm), cdiv(n, bn))](t["x"], t["wq"], t["ws"], outs["y"], m, n, k, k, n,
                                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     elif kernel == "matmul_fp8":
         m, n, k = p["m"], p["n"], p["k"]
-        gemm.matmul_fp8[(cdiv(m, bm), cdiv(n, bn))](t["xq"], t["xs"], t["wq"], t["ws"], out, m, n, k, n,
+        gemm.matmul_fp8[(cdiv(m, bm), cdiv(n, bn))](t["xq"], t["xs"], t["wq"], t["ws"], outs["y"], m, n, k, n,
                                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=True)
     elif kernel == "moe_mxfp4":
         e, n, k = p["experts"], p["n"], p["k"]
         biggest = int(np.diff(t["offsets"].array).max(initial=0))
         grid = (e, max(1, cdiv(biggest, bm)), cdiv(n, bn))
-        gemm.moe_mxfp4[grid](t["x"], t["rows"], t["offsets"], t["wq"], t["ws"], out, n, k, k, n,
+        gemm.moe_mxfp4[grid](t["x"], t["rows"], t["offsets"], t["wq"], t["ws"], outs["y"], n, k, k, n,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    elif kernel == "mla_decode":
+        tokens, heads, rank, splits = p["tokens"], p["heads"], p["rank"], p["splits"]
+        blocks = dict(BLOCK_H=p["block_h"], BLOCK_S=p["block_s"], R_PAD=p["r_pad"], P_PAD=p["p_pad"])
+        grid = (tokens, cdiv(heads, p["block_h"]), splits)
+        args = (t["seq"], t["pos"])
+        sizes = (tokens, heads, rank, p["rope"], p["page_tokens"], p["max_pages"], p["split_tokens"], p["scale"])
+        if splits == 1:
+            mla.mla_decode[grid](t["q"], t["cache"], t["table"], *args, outs["ctx"], outs["lse"], *sizes, **blocks)
+        else:
+            # Each split's partial, then the exact merge (as context-parallel ranks would).
+            part = guarded(np.full((splits, tokens, heads, rank), np.nan, np.float32))
+            part_lse = guarded(np.full((splits, tokens, heads), np.nan, np.float32))
+            mla.mla_decode[grid](t["q"], t["cache"], t["table"], *args, part, part_lse, *sizes, **blocks)
+            rows = tokens * heads
+            mla.attention_merge[(rows, cdiv(rank, 32))](part, part_lse, outs["ctx"], outs["lse"], rows, rank,
+                                                        splits, BLOCK_W=32)
     else:
         raise ValueError(f"unknown kernel {kernel}")
 
@@ -60,23 +76,25 @@ def check(case_dir):
     # BF16 inputs are stored as their 16-bit patterns and handed over as `bfloat16`.
     t = {name: guarded(load(case_dir, spec), "bfloat16" if spec.get("bf16") else None)
          for name, spec in case["inputs"].items()}
-    want = load(case_dir, case["want"])
-    bound = load(case_dir, case["bound"])
-    # The output starts as NaN: an element the kernel never writes shows up.
-    out = guarded(np.full(want.shape, np.nan, dtype=np.float32))
+    wants = {name: (load(case_dir, o["want"]), load(case_dir, o["bound"])) for name, o in case["outputs"].items()}
+    # Outputs start as NaN: an element the kernel never writes shows up.
+    outs = {name: guarded(np.full(w.shape, np.nan, dtype=np.float32)) for name, (w, _) in wants.items()}
     t0 = time.perf_counter()
-    launch(case["kernel"], case["params"], t, out)
+    launch(case["kernel"], case["params"], t, outs)
     took = time.perf_counter() - t0
-    got = out.array
-    same_nan = np.array_equal(np.isnan(got), np.isnan(want))
-    finite = ~np.isnan(want)
-    err = np.abs(got[finite].astype(np.float64) - want[finite])
-    over = err > bound[finite]
-    worst = float(err.max(initial=0.0))
-    ok = same_nan and not over.any()
-    print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: max |Δ| {worst:.3g}"
-          f"{'' if same_nan else ' (NaN positions differ)'}{f' ({int(over.sum())} over the bound)' if over.any() else ''}"
-          f" [{took:.2f} s]", flush=True)
+    ok = True
+    notes = []
+    for name, (want, bound) in wants.items():
+        got = outs[name].array
+        same = np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+        finite = np.isfinite(want)
+        err = np.abs(got[finite].astype(np.float64) - want[finite])
+        over = err > bound[finite]
+        ok &= same and not over.any()
+        notes.append(f"{name}: max |Δ| {float(err.max(initial=0.0)):.3g}"
+                     f"{'' if same else ' (NaN / ∞ positions differ)'}"
+                     f"{f' ({int(over.sum())} over the bound)' if over.any() else ''}")
+    print(f"{'ok  ' if ok else 'FAIL'} {case['name']}: {', '.join(notes)} [{took:.2f} s]", flush=True)
     return ok
 
 

@@ -51,10 +51,21 @@ struct Case {
     kernel: &'static str,
     params: serde_json::Value,
     inputs: Vec<(&'static str, Data, Vec<usize>)>,
+    outputs: Vec<Output>,
+}
+
+/// An output the kernel writes: the CPU backend's values and the allowed |Δ| per element.
+struct Output {
+    name: &'static str,
     want: Vec<f32>,
-    /// Allowed |Δ| per output: f32 rounding of a different summation order, 1e-5 of Σ|terms|.
     bound: Vec<f32>,
     shape: Vec<usize>,
+}
+
+/// The single output `y` of a product, its bound 1e-5 of Σ|terms| (f32 rounding of another
+/// summation order stays well inside).
+fn product(want: Vec<f32>, bound: Vec<f32>, shape: Vec<usize>) -> Vec<Output> {
+    vec![Output { name: "y", want, bound, shape }]
 }
 
 impl Case {
@@ -76,12 +87,21 @@ impl Case {
             );
         }
         let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        std::fs::write(d.join("want.bin"), f32s(&self.want)).expect("want");
-        std::fs::write(d.join("bound.bin"), f32s(&self.bound)).expect("bound");
+        let mut outputs = serde_json::Map::new();
+        for o in &self.outputs {
+            assert_eq!(o.want.len(), o.shape.iter().product::<usize>(), "{}: {}", self.name, o.name);
+            std::fs::write(d.join(format!("{}.want.bin", o.name)), f32s(&o.want)).expect("want");
+            std::fs::write(d.join(format!("{}.bound.bin", o.name)), f32s(&o.bound)).expect("bound");
+            outputs.insert(
+                o.name.to_string(),
+                json!({
+                    "want": {"file": format!("{}.want.bin", o.name), "dtype": "f32", "shape": o.shape},
+                    "bound": {"file": format!("{}.bound.bin", o.name), "dtype": "f32", "shape": o.shape},
+                }),
+            );
+        }
         let case = json!({
-            "name": self.name, "kernel": self.kernel, "params": self.params, "inputs": inputs,
-            "want": {"file": "want.bin", "dtype": "f32", "shape": self.shape},
-            "bound": {"file": "bound.bin", "dtype": "f32", "shape": self.shape},
+            "name": self.name, "kernel": self.kernel, "params": self.params, "inputs": inputs, "outputs": outputs,
         });
         std::fs::write(d.join("case.json"), case.to_string()).expect("case.json");
     }
@@ -124,9 +144,7 @@ fn bf16_cases(rng: &mut Rng, out: &mut Vec<Case>) {
             kernel: "matmul_bf16",
             params: with_blocks(json!({"m": m, "n": n, "k": k}), 64),
             inputs: vec![("x", Data::F32(x), vec![m, k]), ("w", Data::Bf16(w), vec![n, k])],
-            bound: bound(&wf, &xr, n, k, m),
-            want,
-            shape: vec![m, n],
+            outputs: product(want, bound(&wf, &xr, n, k, m), vec![m, n]),
         });
     }
 }
@@ -164,9 +182,7 @@ fn mxfp4_cases(rng: &mut Rng, out: &mut Vec<Case>) {
                 ("wq", Data::U8(q), vec![n, k / 2]),
                 ("ws", Data::U8(s), vec![n, k / 32]),
             ],
-            bound: bound(&wf, &xr, n, k, m),
-            want,
-            shape: vec![m, n],
+            outputs: product(want, bound(&wf, &xr, n, k, m), vec![m, n]),
         });
     }
 }
@@ -214,9 +230,7 @@ fn fp8_cases(rng: &mut Rng, out: &mut Vec<Case>) {
                 ("wq", Data::U8(wq), vec![n, k]),
                 ("ws", Data::F32(ws), vec![n]),
             ],
-            bound: bound(&wf, &xf, n, k, m),
-            want,
-            shape: vec![m, n],
+            outputs: product(want, bound(&wf, &xf, n, k, m), vec![m, n]),
         });
     }
 }
@@ -266,10 +280,75 @@ fn moe_cases(rng: &mut Rng, out: &mut Vec<Case>) {
             ("wq", Data::U8(wq), vec![experts, n, k / 2]),
             ("ws", Data::U8(ws), vec![experts, n, k / 32]),
         ],
-        want,
-        bound: bnd,
-        shape: vec![p, n],
+        outputs: product(want, bnd, vec![p, n]),
     });
+}
+
+/// Absorbed MLA decode over a paged latent arena (pages out of order; a hole another
+/// context-parallel rank holds; sequences of 1, 40 and 65 tokens; queries mid-sequence and inside
+/// the hole's span), whole (one split) and split three ways then merged.
+fn mla_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    let (heads, rank, rope, page_tokens, pages) = (5usize, 48usize, 8usize, 16usize, 12usize);
+    let w = rank + rope;
+    let arena = rng.vec(pages * page_tokens * w);
+    let max_pages = 6;
+    // Page tables, −1 for a hole.
+    let tables: [&[i32]; 3] = [&[3], &[0, 7, 2, 9, 5], &[1, -1, 4]];
+    let rows = [(0usize, 0usize), (1, 64), (2, 39), (1, 20), (2, 20)];
+    let tokens = rows.len();
+    let q = rng.vec(tokens * heads * w);
+    let scale = 0.3f32;
+    let caches: Vec<kimi_kernels::PagedRows<'_>> = tables
+        .iter()
+        .map(|t| kimi_kernels::PagedRows {
+            pages: t
+                .iter()
+                .map(|&p| if p < 0 { &arena[..0] } else { &arena[p as usize * page_tokens * w..][..page_tokens * w] })
+                .collect(),
+            page_tokens,
+            width: w,
+        })
+        .collect();
+    let mut ctx = vec![0f32; tokens * heads * rank];
+    let mut lse = vec![0f32; tokens * heads];
+    CpuBackend.mla_attention(&q, heads, rank, scale, &rows, &caches, None, &mut ctx, Some(&mut lse));
+    let mut table = vec![-1i32; tables.len() * max_pages];
+    for (s, t) in tables.iter().enumerate() {
+        table[s * max_pages..s * max_pages + t.len()].copy_from_slice(t);
+    }
+    for (splits, split_tokens) in [(1usize, 80usize), (3, 32)] {
+        out.push(Case {
+            name: format!("mla_decode_splits{splits}"),
+            kernel: "mla_decode",
+            params: json!({
+                "tokens": tokens, "heads": heads, "rank": rank, "rope": rope, "page_tokens": page_tokens,
+                "max_pages": max_pages, "split_tokens": split_tokens, "splits": splits, "scale": scale,
+                "block_h": 16, "block_s": 16, "r_pad": 64, "p_pad": 16,
+            }),
+            inputs: vec![
+                ("q", Data::F32(q.clone()), vec![tokens, heads, w]),
+                ("cache", Data::F32(arena.clone()), vec![pages, page_tokens, w]),
+                ("table", Data::I32(table.clone()), vec![tables.len(), max_pages]),
+                ("seq", Data::I32(rows.iter().map(|r| r.0 as i32).collect()), vec![tokens]),
+                ("pos", Data::I32(rows.iter().map(|r| r.1 as i32).collect()), vec![tokens]),
+            ],
+            outputs: vec![
+                // Contexts are convex combinations of rows in [-1, 1]; scores stay O(1).
+                Output {
+                    name: "ctx",
+                    want: ctx.clone(),
+                    bound: vec![2e-5; ctx.len()],
+                    shape: vec![tokens, heads, rank],
+                },
+                Output {
+                    name: "lse",
+                    bound: lse.iter().map(|l| 1e-5 * (1.0 + l.abs())).collect(),
+                    want: lse.clone(),
+                    shape: vec![tokens, heads],
+                },
+            ],
+        });
+    }
 }
 
 #[test]
@@ -292,6 +371,7 @@ fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     mxfp4_cases(&mut rng, &mut cases);
     fp8_cases(&mut rng, &mut cases);
     moe_cases(&mut rng, &mut cases);
+    mla_cases(&mut rng, &mut cases);
     for c in &cases {
         c.write(&dir);
     }
