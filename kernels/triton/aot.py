@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kimi_triton import gemm, mla  # noqa: E402
+from kimi_triton import gemm, indexer, mla  # noqa: E402
 
 I32 = "i32"
 # (kernel, signature, constexprs). Tiles: 16 token rows (decode and small batches), 64 outputs,
@@ -55,6 +55,14 @@ KERNELS += [
      {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*fp32", "lse_out_ptr": "*fp32", "ROWS": I32,
       "WIDTH": I32, "SPLITS": I32},
      {"BLOCK_W": 512}),
+]
+# The release indexer: 64 heads of dimension 128; 64 positions a block.
+KERNELS += [
+    (indexer.indexer_scores,
+     {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*fp32", "table_ptr": "*i32", "seq_ptr": "*i32",
+      "pos_ptr": "*i32", "out_ptr": "*fp32", "HI": I32, "D": I32, "PAGE_TOKENS": I32, "MAX_PAGES": I32,
+      "S_MAX": I32, "scale": "fp32"},
+     {"BLOCK_H": 64, "BLOCK_S": 64, "D_PAD": 128}),
 ]
 TARGETS = [("gfx950", GPUTarget("hip", "gfx950", 64)), ("sm_90", GPUTarget("cuda", 90, 32))]
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 
-from kimi_triton import gemm, mla  # noqa: E402
+from kimi_triton import gemm, indexer, mla  # noqa: E402
 from kimi_triton.guard import guarded  # noqa: E402
 
 DTYPES = {"f32": np.float32, "u8": np.uint8, "u16": np.uint16, "i32": np.int32}
@@ -67,6 +67,12 @@ def launch(kernel, p, t, outs):
             rows = tokens * heads
             mla.attention_merge[(rows, cdiv(rank, 32))](part, part_lse, outs["ctx"], outs["lse"], rows, rank,
                                                         splits, BLOCK_W=32)
+    elif kernel == "indexer_scores":
+        tokens, s_max = p["tokens"], p["s_max"]
+        indexer.indexer_scores[(tokens, cdiv(s_max, p["block_s"]))](
+            t["q"], t["w"], t["keys"], t["table"], t["seq"], t["pos"], outs["scores"], p["heads"], p["dim"],
+            p["page_tokens"], p["max_pages"], s_max, p["scale"], BLOCK_H=p["block_h"], BLOCK_S=p["block_s"],
+            D_PAD=p["d_pad"])
     else:
         raise ValueError(f"unknown kernel {kernel}")
 

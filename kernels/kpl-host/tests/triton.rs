@@ -351,6 +351,71 @@ fn mla_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     }
 }
 
+/// The K3.1 indexer's scores over a paged key arena (a hole another rank holds; sequences of 1,
+/// 40 and 65 tokens; positions past each query's own are −∞), against the scores the CPU
+/// backend's `indexer_topk` ranks.
+fn indexer_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    let (heads, dim, page_tokens, pages, max_pages, s_max) = (4usize, 24usize, 16usize, 12usize, 6usize, 80usize);
+    let keys = rng.vec(pages * page_tokens * dim);
+    let tables: [&[i32]; 3] = [&[3], &[0, 7, 2, 9, 5], &[1, -1, 4]];
+    let rows = [(0usize, 0usize), (1, 64), (2, 39), (1, 20), (2, 20)];
+    let tokens = rows.len();
+    let q = rng.vec(tokens * heads * dim);
+    let w = rng.vec(tokens * heads);
+    let scale = 0.25f32;
+    let caches: Vec<kimi_kernels::PagedRows<'_>> = tables
+        .iter()
+        .map(|t| kimi_kernels::PagedRows {
+            pages: t
+                .iter()
+                .map(|&p| if p < 0 { &keys[..0] } else { &keys[p as usize * page_tokens * dim..][..page_tokens * dim] })
+                .collect(),
+            page_tokens,
+            width: dim,
+        })
+        .collect();
+    let sel = CpuBackend.indexer_topk(&q, &w, heads, scale, 8, &rows, &caches);
+    let mut want = vec![f32::NEG_INFINITY; tokens * s_max];
+    let mut bnd = vec![0f32; tokens * s_max];
+    for (t, &(seq, pos)) in rows.iter().enumerate() {
+        want[t * s_max..t * s_max + pos + 1].copy_from_slice(&sel[t].scores);
+        for s in 0..=pos {
+            if caches[seq].holds(s) {
+                let k = caches[seq].row(s);
+                let terms: f64 = (0..heads)
+                    .map(|j| {
+                        let qj = &q[(t * heads + j) * dim..][..dim];
+                        (w[t * heads + j] * scale).abs() as f64
+                            * qj.iter().zip(k).map(|(a, b)| (a * b).abs() as f64).sum::<f64>()
+                    })
+                    .sum();
+                bnd[t * s_max + s] = (1e-5 * terms) as f32 + 1e-30;
+            }
+        }
+    }
+    let mut table = vec![-1i32; tables.len() * max_pages];
+    for (s, t) in tables.iter().enumerate() {
+        table[s * max_pages..s * max_pages + t.len()].copy_from_slice(t);
+    }
+    out.push(Case {
+        name: "indexer_scores".into(),
+        kernel: "indexer_scores",
+        params: json!({
+            "tokens": tokens, "heads": heads, "dim": dim, "page_tokens": page_tokens, "max_pages": max_pages,
+            "s_max": s_max, "scale": scale, "block_h": 16, "block_s": 16, "d_pad": 32,
+        }),
+        inputs: vec![
+            ("q", Data::F32(q), vec![tokens, heads, dim]),
+            ("w", Data::F32(w), vec![tokens, heads]),
+            ("keys", Data::F32(keys), vec![pages, page_tokens, dim]),
+            ("table", Data::I32(table), vec![tables.len(), max_pages]),
+            ("seq", Data::I32(rows.iter().map(|r| r.0 as i32).collect()), vec![tokens]),
+            ("pos", Data::I32(rows.iter().map(|r| r.1 as i32).collect()), vec![tokens]),
+        ],
+        outputs: vec![Output { name: "scores", want, bound: bnd, shape: vec![tokens, s_max] }],
+    });
+}
+
 #[test]
 fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
@@ -372,6 +437,7 @@ fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     fp8_cases(&mut rng, &mut cases);
     moe_cases(&mut rng, &mut cases);
     mla_cases(&mut rng, &mut cases);
+    indexer_cases(&mut rng, &mut cases);
     for c in &cases {
         c.write(&dir);
     }
