@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kimi_triton import gemm, indexer, mla  # noqa: E402
+from kimi_triton import gemm, indexer, kda, mla  # noqa: E402
 
 I32 = "i32"
 # (kernel, signature, constexprs). Tiles: 16 token rows (decode and small batches), 64 outputs,
@@ -63,6 +63,13 @@ KERNELS += [
       "pos_ptr": "*i32", "out_ptr": "*fp32", "HI": I32, "D": I32, "PAGE_TOKENS": I32, "MAX_PAGES": I32,
       "S_MAX": I32, "scale": "fp32"},
      {"BLOCK_H": 64, "BLOCK_S": 64, "D_PAD": 128}),
+]
+# The release KDA heads: K = V = 128; chunks of 16, 32 keys and 32 values a block.
+KERNELS += [
+    (kda.kda_chunk_prefill,
+     {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+      "state_ptr": "*fp32", "out_ptr": "*fp32", "cu_ptr": "*i32", "H": I32, "K": I32, "V": I32},
+     {"C": 16, "BLOCK_K": 32, "BLOCK_V": 32}),
 ]
 TARGETS = [("gfx950", GPUTarget("hip", "gfx950", 64)), ("sm_90", GPUTarget("cuda", 90, 32))]
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 
-from kimi_triton import gemm, indexer, mla  # noqa: E402
+from kimi_triton import gemm, indexer, kda, mla  # noqa: E402
 from kimi_triton.guard import guarded  # noqa: E402
 
 DTYPES = {"f32": np.float32, "u8": np.uint8, "u16": np.uint16, "i32": np.int32}
@@ -73,6 +73,13 @@ def launch(kernel, p, t, outs):
             t["q"], t["w"], t["keys"], t["table"], t["seq"], t["pos"], outs["scores"], p["heads"], p["dim"],
             p["page_tokens"], p["max_pages"], s_max, p["scale"], BLOCK_H=p["block_h"], BLOCK_S=p["block_s"],
             D_PAD=p["d_pad"])
+    elif kernel == "kda_chunk_prefill":
+        seqs, heads, dk, dv = p["sequences"], p["heads"], p["k"], p["v"]
+        # The state is read and advanced in place: the output `state` starts as the initial one.
+        np.copyto(outs["state"].array, t["state0"].array)
+        kda.kda_chunk_prefill[(seqs, heads, cdiv(dv, p["block_v"]))](
+            t["q"], t["k"], t["v"], t["g"], t["beta"], outs["state"], outs["out"], t["cu"], heads, dk, dv,
+            C=p["chunk"], BLOCK_K=p["block_k"], BLOCK_V=p["block_v"])
     else:
         raise ValueError(f"unknown kernel {kernel}")
 

@@ -416,6 +416,77 @@ fn indexer_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     });
 }
 
+/// KDA's chunked prefill over a varlen batch (sequences of 40, 17 and 1 tokens: full, partial
+/// and single-token chunks of 16), strong and weak per-key decays, from a nonzero state, against
+/// the CPU backend's chunked form (`kda_prefill`, chunks of 64 in sub-chunks of 16).
+fn kda_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    let (heads, dk, dv) = (2usize, 24usize, 20usize);
+    let lens = [40usize, 17, 1];
+    let tokens: usize = lens.iter().sum();
+    let normalize = |v: &mut [f32]| {
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+        v.iter_mut().for_each(|x| *x /= n);
+    };
+    let scale = 1.0 / (dk as f32).sqrt();
+    let mut q = rng.vec(tokens * heads * dk);
+    let mut k = rng.vec(tokens * heads * dk);
+    for r in 0..tokens * heads {
+        normalize(&mut q[r * dk..(r + 1) * dk]);
+        q[r * dk..(r + 1) * dk].iter_mut().for_each(|x| *x *= scale);
+        normalize(&mut k[r * dk..(r + 1) * dk]);
+    }
+    let v = rng.vec(tokens * heads * dv);
+    // Log decays lower_bound · σ(z) with lower_bound −5: some near 0, some strong.
+    let g: Vec<f32> = rng.vec(tokens * heads * dk).iter().map(|z| -5.0 / (1.0 + (-4.0 * z).exp())).collect();
+    let beta: Vec<f32> = rng.vec(tokens * heads).iter().map(|z| 1.0 / (1.0 + (-2.0 * z).exp())).collect();
+    let state0: Vec<f32> = rng.vec(lens.len() * heads * dk * dv).iter().map(|x| 0.5 * x).collect();
+    let mut state = state0.clone();
+    let mut o = vec![0f32; tokens * heads * dv];
+    let mut t0 = 0;
+    for (s, &n) in lens.iter().enumerate() {
+        for h in 0..heads {
+            // The head's rows, contiguous, as the CPU routine takes them.
+            let gather = |x: &[f32], w: usize| -> Vec<f32> {
+                (t0..t0 + n).flat_map(|t| x[(t * heads + h) * w..][..w].to_vec()).collect()
+            };
+            let (qh, kh, vh, gh) = (gather(&q, dk), gather(&k, dk), gather(&v, dv), gather(&g, dk));
+            let bh: Vec<f32> = (t0..t0 + n).map(|t| beta[t * heads + h]).collect();
+            let mut oh = vec![0f32; n * dv];
+            let st = &mut state[(s * heads + h) * dk * dv..][..dk * dv];
+            kimi_kernels::cpu::kda::kda_prefill(st, &qh, &kh, &vh, &gh, &bh, &mut oh, dk, dv);
+            for i in 0..n {
+                o[((t0 + i) * heads + h) * dv..][..dv].copy_from_slice(&oh[i * dv..(i + 1) * dv]);
+            }
+        }
+        t0 += n;
+    }
+    let mut cu = vec![0i32];
+    for &n in &lens {
+        cu.push(cu.last().copied().unwrap_or(0) + n as i32);
+    }
+    let rel = |w: &[f32]| -> Vec<f32> { w.iter().map(|x| 2e-5 * (1.0 + x.abs())).collect() };
+    out.push(Case {
+        name: "kda_chunk_prefill".into(),
+        kernel: "kda_chunk_prefill",
+        params: json!({
+            "sequences": lens.len(), "heads": heads, "k": dk, "v": dv, "chunk": 16, "block_k": 16, "block_v": 16,
+        }),
+        inputs: vec![
+            ("q", Data::F32(q), vec![tokens, heads, dk]),
+            ("k", Data::F32(k), vec![tokens, heads, dk]),
+            ("v", Data::F32(v), vec![tokens, heads, dv]),
+            ("g", Data::F32(g), vec![tokens, heads, dk]),
+            ("beta", Data::F32(beta), vec![tokens, heads]),
+            ("state0", Data::F32(state0), vec![lens.len(), heads, dk, dv]),
+            ("cu", Data::I32(cu), vec![lens.len() + 1]),
+        ],
+        outputs: vec![
+            Output { name: "out", bound: rel(&o), want: o, shape: vec![tokens, heads, dv] },
+            Output { name: "state", bound: rel(&state), want: state, shape: vec![lens.len(), heads, dk, dv] },
+        ],
+    });
+}
+
 #[test]
 fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
@@ -438,6 +509,7 @@ fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     moe_cases(&mut rng, &mut cases);
     mla_cases(&mut rng, &mut cases);
     indexer_cases(&mut rng, &mut cases);
+    kda_cases(&mut rng, &mut cases);
     for c in &cases {
         c.write(&dir);
     }
