@@ -150,3 +150,16 @@ typedef struct {
     uint32_t kernel;
     uint32_t pad_;
 } KplKdaConvParams;
+
+// kpl_mma_gemm_bf16: c[m, n] = Σ_k a[m, k] · b[n, k] (BF16 in, f32 out) on the matrix cores: a wave
+// per output tile of kpl::mma_shape(), K in steps of the instruction's; values outside m × n × k
+// count as 0. Blocks are whole waves; grid · waves a block ≥ the number of tiles.
+typedef struct {
+    const uint16_t* a;
+    const uint16_t* b;
+    float* c;
+    uint32_t m;
+    uint32_t n;
+    uint32_t k;
+    uint32_t pad_;
+} KplMmaGemmParams;

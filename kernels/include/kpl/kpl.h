@@ -256,3 +256,121 @@ KPL_DEVICE void block_argmax(float& v, unsigned& i, float* sv, unsigned* si) {
 }
 
 }  // namespace kpl
+
+namespace kpl {
+
+// ---- matrix cores ------------------------------------------------------------------------------
+// One wave computes D = A·B + D for a tile of A [m × k] and B [k × n] in BF16, D in f32; each lane
+// holds fixed elements of every operand (the ISA's lane tables):
+//   gfx950  v_mfma_f32_16x16x32_bf16   16×16×32, wave 64: 8 A, 8 B, 4 D values a lane;
+//   gfx942  v_mfma_f32_16x16x16_bf16   16×16×16, wave 64: 4 A, 4 B, 4 D;
+//   sm_90   mma.sync.m16n8k16 (BF16)   16×8×16,  wave 32: 8 A, 4 B, 4 D.
+// Kernels stay vendor-free: they ask `mma_shape()` for the tile and `mma_a_at` / `mma_b_at` /
+// `mma_d_at` for the element each fragment value holds. On the host a launch at wave 64 emulates
+// gfx950's instruction and one at wave 32 sm_90's (kpl_cpu.h), each from its own table written the
+// other way round (element → lane and value), so a kernel's fragment indexing is checked in
+// `cargo test`; the tables themselves need one check on each GPU.
+struct MmaShape {
+    unsigned m, n, k, a, b, d;
+};
+
+// Most fragment values a lane holds for A, B and D on any target.
+constexpr unsigned MMA_A = 8, MMA_B = 8, MMA_D = 4;
+
+// Which instruction this build (or, on the host, this launch's wave size) uses.
+enum class MmaKind { Gfx950, Gfx942, Sm90 };
+
+KPL_DEVICE MmaKind mma_kind() {
+#if defined(KPL_AMD) && defined(__gfx950__)
+    return MmaKind::Gfx950;
+#elif defined(KPL_AMD)
+    return MmaKind::Gfx942;
+#elif defined(KPL_NV)
+    return MmaKind::Sm90;
+#elif defined(KPL_CPU)
+    return wave_size() == 64 ? MmaKind::Gfx950 : MmaKind::Sm90;
+#else
+    return MmaKind::Gfx950;
+#endif
+}
+
+KPL_DEVICE MmaShape mma_shape() {
+    switch (mma_kind()) {
+    case MmaKind::Gfx950: return MmaShape{16, 16, 32, 8, 8, 4};
+    case MmaKind::Gfx942: return MmaShape{16, 16, 16, 4, 4, 4};
+    default: return MmaShape{16, 8, 16, 8, 4, 4};
+    }
+}
+
+// An element of a tile: row and column (for B: k and n).
+struct MmaAt {
+    unsigned r, c;
+};
+
+// A value `i` of `lane` holds A[r][c] (c: along k).
+KPL_DEVICE MmaAt mma_a_at(unsigned lane, unsigned i) {
+    switch (mma_kind()) {
+    case MmaKind::Gfx950: return MmaAt{lane % 16, 8 * (lane / 16) + i};
+    case MmaKind::Gfx942: return MmaAt{lane % 16, 4 * (lane / 16) + i};
+    default: return MmaAt{lane / 4 + 8 * ((i >> 1) & 1), 2 * (lane % 4) + (i & 1) + 8 * (i >> 2)};
+    }
+}
+
+// B value `i` of `lane` holds B[r][c] (r: along k, c: along n).
+KPL_DEVICE MmaAt mma_b_at(unsigned lane, unsigned i) {
+    switch (mma_kind()) {
+    case MmaKind::Gfx950: return MmaAt{8 * (lane / 16) + i, lane % 16};
+    case MmaKind::Gfx942: return MmaAt{4 * (lane / 16) + i, lane % 16};
+    default: return MmaAt{2 * (lane % 4) + (i & 1) + 8 * (i >> 1), lane / 4};
+    }
+}
+
+// D value `i` of `lane` holds D[r][c].
+KPL_DEVICE MmaAt mma_d_at(unsigned lane, unsigned i) {
+    switch (mma_kind()) {
+    case MmaKind::Gfx950:
+    case MmaKind::Gfx942: return MmaAt{4 * (lane / 16) + i, lane % 16};
+    default: return MmaAt{lane / 4 + 8 * (i >> 1), 2 * (lane % 4) + (i & 1)};
+    }
+}
+
+// d ← a·b + d for the wave's tile; a, b hold BF16 bit patterns. Every lane of the wave calls it.
+KPL_DEVICE void mma_bf16(float d[MMA_D], const uint16_t a[MMA_A], const uint16_t b[MMA_B]) {
+#if defined(KPL_AMD) && defined(__gfx950__)
+    typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
+    typedef __bf16 bf16x8 __attribute__((ext_vector_type(8)));
+    typedef float f32x4 __attribute__((ext_vector_type(4)));
+    u16x8 va = {a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]};
+    u16x8 vb = {b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]};
+    f32x4 vd = {d[0], d[1], d[2], d[3]};
+    vd = __builtin_amdgcn_mfma_f32_16x16x32_bf16(__builtin_bit_cast(bf16x8, va), __builtin_bit_cast(bf16x8, vb), vd,
+                                                 0, 0, 0);
+    for (unsigned i = 0; i < 4; ++i) d[i] = vd[i];
+#elif defined(KPL_AMD)
+    typedef short s16x4 __attribute__((ext_vector_type(4)));
+    typedef float f32x4 __attribute__((ext_vector_type(4)));
+    s16x4 va = {(short)a[0], (short)a[1], (short)a[2], (short)a[3]};
+    s16x4 vb = {(short)b[0], (short)b[1], (short)b[2], (short)b[3]};
+    f32x4 vd = {d[0], d[1], d[2], d[3]};
+    vd = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(va, vb, vd, 0, 0, 0);
+    for (unsigned i = 0; i < 4; ++i) d[i] = vd[i];
+#elif defined(KPL_NV)
+    // Two BF16 values a register, the lower index in the low half.
+    unsigned ra[4], rb[2];
+    for (unsigned r = 0; r < 4; ++r) ra[r] = (unsigned)a[2 * r] | ((unsigned)a[2 * r + 1] << 16);
+    for (unsigned r = 0; r < 2; ++r) rb[r] = (unsigned)b[2 * r] | ((unsigned)b[2 * r + 1] << 16);
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]));
+#elif defined(KPL_CPU)
+    cpu::mma_bf16(d, a, b);
+#else
+    (void)d;
+    (void)a;
+    (void)b;
+#endif
+}
+
+}  // namespace kpl
+

@@ -10,6 +10,7 @@
 #include <functional>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,8 @@ struct Ctx {
     std::barrier<>* block_bar = nullptr;
     std::vector<std::unique_ptr<std::barrier<>>>* wave_bars = nullptr;
     std::vector<float>* xchg = nullptr;
+    // Matrix-core emulation: every lane's A, B and D fragments (MMA_SLOTS floats a thread).
+    std::vector<float>* mma_xchg = nullptr;
 };
 
 inline thread_local Ctx ctx;
@@ -43,6 +46,73 @@ inline float shfl_xor(float v, unsigned mask) {
     float r = (*ctx.xchg)[base + ((ctx.tid - base) ^ mask)];
     bar.arrive_and_wait();
     return r;
+}
+
+// ---- matrix-core emulation ---------------------------------------------------------------------
+// The instructions' lane tables, written element → (lane, value): the opposite direction of the
+// fragment helpers in kpl.h, which kernels use, so the two statements check each other.
+// gfx950 v_mfma_f32_16x16x32_bf16 (CDNA4 ISA, dense MFMA operand layout, 64 lanes):
+//   A[i][k]: lane i + 16·(k / 8), value k % 8;   B[k][j]: lane j + 16·(k / 8), value k % 8;
+//   D[i][j]: lane j + 16·(i / 4), value i % 4.
+// sm_90 mma.m16n8k16 .bf16 (PTX ISA, "Matrix fragments for mma.m16n8k16", 32 lanes; group = lane / 4,
+// t = lane % 4): A[r][c] in lane 4·(r % 8) + (c % 8) / 2, value (c % 2) + 2·(r / 8) + 4·(c / 8);
+//   B[k][n] in lane 4·n + (k % 8) / 2, value (k % 2) + 2·(k / 8);
+//   D[r][c] in lane 4·(r % 8) + c / 2, value (c % 2) + 2·(r / 8).
+struct LaneValue {
+    unsigned lane, value;
+};
+
+struct MmaTable {
+    unsigned m, n, k;
+    LaneValue (*a)(unsigned, unsigned);
+    LaneValue (*b)(unsigned, unsigned);
+    LaneValue (*d)(unsigned, unsigned);
+};
+
+inline const MmaTable& mma_table(unsigned wave) {
+    static const MmaTable gfx950{16, 16, 32,
+                                 [](unsigned i, unsigned k) { return LaneValue{i + 16 * (k / 8), k % 8}; },
+                                 [](unsigned k, unsigned j) { return LaneValue{j + 16 * (k / 8), k % 8}; },
+                                 [](unsigned i, unsigned j) { return LaneValue{j + 16 * (i / 4), i % 4}; }};
+    static const MmaTable sm90{
+        16, 8, 16,
+        [](unsigned r, unsigned c) { return LaneValue{4 * (r % 8) + (c % 8) / 2, (c % 2) + 2 * (r / 8) + 4 * (c / 8)}; },
+        [](unsigned k, unsigned n) { return LaneValue{4 * n + (k % 8) / 2, (k % 2) + 2 * (k / 8)}; },
+        [](unsigned r, unsigned c) { return LaneValue{4 * (r % 8) + c / 2, (c % 2) + 2 * (r / 8)}; }};
+    return wave == 64 ? gfx950 : sm90;
+}
+
+constexpr unsigned MMA_SLOTS = 20;  // 8 A, 8 B, 4 D
+
+inline float bf16_value(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// The wave-collective instruction: each lane posts its fragments, the wave meets, each lane forms
+// the D elements the table gives it (f32, k ascending), the wave meets again before anyone posts.
+inline void mma_bf16(float d[4], const uint16_t a[8], const uint16_t b[8]) {
+    const MmaTable& t = mma_table(ctx.wave);
+    unsigned lane = ctx.tid % ctx.wave, base = ctx.tid - lane;
+    std::vector<float>& x = *ctx.mma_xchg;
+    for (unsigned i = 0; i < 8; ++i) x[ctx.tid * MMA_SLOTS + i] = bf16_value(a[i]);
+    for (unsigned i = 0; i < 8; ++i) x[ctx.tid * MMA_SLOTS + 8 + i] = bf16_value(b[i]);
+    for (unsigned i = 0; i < 4; ++i) x[ctx.tid * MMA_SLOTS + 16 + i] = d[i];
+    std::barrier<>& bar = *(*ctx.wave_bars)[ctx.tid / ctx.wave];
+    bar.arrive_and_wait();
+    auto at = [&](LaneValue lv, unsigned slot) { return x[(base + lv.lane) * MMA_SLOTS + slot + lv.value]; };
+    for (unsigned r = 0; r < t.m; ++r) {
+        for (unsigned c = 0; c < t.n; ++c) {
+            LaneValue o = t.d(r, c);
+            if (o.lane != lane) continue;
+            float acc = at(o, 16);
+            for (unsigned k = 0; k < t.k; ++k) acc += at(t.a(r, k), 0) * at(t.b(k, c), 8);
+            d[o.value] = acc;
+        }
+    }
+    bar.arrive_and_wait();
 }
 
 // The block's threads, kept from launch to launch (creating a thread per GPU thread per launch
@@ -104,10 +174,10 @@ bool launch(unsigned grid, unsigned block, unsigned wave, F body) {
     std::barrier<> block_bar(block);
     std::vector<std::unique_ptr<std::barrier<>>> wave_bars;
     for (unsigned w = 0; w < block / wave; ++w) wave_bars.push_back(std::make_unique<std::barrier<>>(wave));
-    std::vector<float> xchg(block);
+    std::vector<float> xchg(block), mma_xchg(block * MMA_SLOTS);
     std::function<void(unsigned)> thread = [&](unsigned t) {
         for (unsigned b = 0; b < grid; ++b) {
-            ctx = Ctx{t, b, block, grid, wave, &block_bar, &wave_bars, &xchg};
+            ctx = Ctx{t, b, block, grid, wave, &block_bar, &wave_bars, &xchg, &mma_xchg};
             body();
             // No thread starts block b + 1 while another is still in block b.
             block_bar.arrive_and_wait();

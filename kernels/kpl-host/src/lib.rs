@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
     AttnResParams, EmbeddingParams, GatedRmsnormParams, GeluParams, GluParams, KdaConvParams, KdaDecodeParams,
-    MoeRouteParams, RmsnormParams, RopeTableParams, SituParams,
+    MmaGemmParams, MoeRouteParams, RmsnormParams, RopeTableParams, SituParams,
 };
 
 unsafe extern "C" {
@@ -22,6 +22,8 @@ unsafe extern "C" {
     fn kpl_cpu_launch_kpl_silu_glu_f32(grid: u32, block: u32, wave: u32, p: *const GluParams);
     fn kpl_cpu_launch_kpl_gelu_f32(grid: u32, block: u32, wave: u32, p: *const GeluParams);
     fn kpl_cpu_launch_kpl_rope_table_f32(grid: u32, block: u32, wave: u32, p: *const RopeTableParams);
+    fn kpl_cpu_launch_kpl_mma_gemm_bf16(grid: u32, block: u32, wave: u32, p: *const MmaGemmParams);
+    pub fn kpl_abi_size_kpl_mma_gemm_bf16() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_silu_glu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_gelu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rope_table_f32() -> std::ffi::c_ulong;
@@ -94,6 +96,12 @@ launcher!(kda_conv_f32, kpl_cpu_launch_kpl_kda_conv_f32, KdaConvParams, "`kpl_kd
 launcher!(silu_glu_f32, kpl_cpu_launch_kpl_silu_glu_f32, GluParams, "`kpl_silu_glu_f32` on the host.");
 launcher!(gelu_f32, kpl_cpu_launch_kpl_gelu_f32, GeluParams, "`kpl_gelu_f32` on the host.");
 launcher!(rope_table_f32, kpl_cpu_launch_kpl_rope_table_f32, RopeTableParams, "`kpl_rope_table_f32` on the host.");
+launcher!(
+    mma_gemm_bf16,
+    kpl_cpu_launch_kpl_mma_gemm_bf16,
+    MmaGemmParams,
+    "`kpl_mma_gemm_bf16` on the host: at wave 64 the emulated gfx950 MFMA, at wave 32 the emulated sm_90 mma."
+);
 
 /// A host address as the kernels' `u64` device-pointer fields carry it.
 pub fn addr<T>(p: *const T) -> u64 {

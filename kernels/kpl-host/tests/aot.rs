@@ -45,6 +45,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_silu_glu_f32", size_of::<kimi_kernels::gpu::abi::GluParams>()),
         ("kpl_gelu_f32", size_of::<kimi_kernels::gpu::abi::GeluParams>()),
         ("kpl_rope_table_f32", size_of::<kimi_kernels::gpu::abi::RopeTableParams>()),
+        ("kpl_mma_gemm_bf16", size_of::<kimi_kernels::gpu::abi::MmaGemmParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {
@@ -63,6 +64,15 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
                 assert!(k.ptx_regs.is_some_and(|r| r > 0));
             }
         }
+    }
+    // kpl's matrix-core layer lowers to each target's instruction.
+    for (file, marker) in [
+        ("gfx950/mma.s", "v_mfma_f32_16x16x32_bf16"),
+        ("gfx942/mma.s", "v_mfma_f32_16x16x16_bf16"),
+        ("sm_90/mma.ptx", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+    ] {
+        let text = std::fs::read_to_string(out.join(file)).expect("mma build");
+        assert!(text.contains(marker), "{file} lacks {marker}");
     }
     // The Triton kernels: a gfx950 code object and an sm_90 cubin each, the products on the
     // matrix cores (MFMA / wgmma or mma), no VGPR spilled to scratch on gfx950.

@@ -52,6 +52,10 @@ fn parameter_structs_match_abi_h() {
             kimi_kpl_host::kpl_abi_size_kpl_rope_table_f32() as usize,
             size_of::<kimi_kernels::gpu::abi::RopeTableParams>()
         );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_mma_gemm_bf16() as usize,
+            size_of::<kimi_kernels::gpu::abi::MmaGemmParams>()
+        );
     }
 }
 
@@ -323,5 +327,42 @@ fn glu_gelu_and_rope_match_the_cpu_backend() {
         kb.rope_interleaved(&mut got, &positions, 2, 20, 8, &inv_freq, 1.07);
         CpuBackend.rope_interleaved(&mut want, &positions, 2, 20, 8, &inv_freq, 1.07);
         close(&got, &want, 1e-6, &format!("rope_interleaved wave {wave}"));
+    }
+}
+
+/// The matrix-core product on the emulated instructions: at wave 64 gfx950's
+/// `v_mfma_f32_16x16x32_bf16` (16×16 tiles, K steps of 32), at wave 32 sm_90's `mma.m16n8k16`
+/// (16×8 tiles, K steps of 16), each emulated from its ISA lane table written element → lane.
+/// The kernel indexes its fragments through kpl's lane → element helpers, so a wrong entry in
+/// either statement of a layout (or a kernel that ignores them) gives wrong products here. Ragged
+/// shapes: partial row, column and K tiles, one row, blocks of two waves with a spare wave.
+#[test]
+fn mma_gemm_on_the_emulated_matrix_cores_matches_the_cpu_backend() {
+    let mut rng = StdRng::seed_from_u64(0x6d6d61);
+    for wave in WAVES {
+        let (tm, tn) = if wave == 64 { (16, 16) } else { (16, 8) };
+        for (m, n, k) in [(16usize, 16usize, 32usize), (19, 21, 40), (1, 33, 96), (35, 9, 16)] {
+            let a: Vec<u16> = randn(&mut rng, m * k, 1.0).into_iter().map(f32_to_bf16_bits).collect();
+            let b: Vec<u16> = randn(&mut rng, n * k, 1.0).into_iter().map(f32_to_bf16_bits).collect();
+            let af: Vec<f32> = a.iter().map(|&x| f32::from_bits((x as u32) << 16)).collect();
+            let mut want = vec![0f32; m * n];
+            CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&b, n, k)), &af, m, &mut want);
+            let mut got = vec![f32::NAN; m * n];
+            let tiles = m.div_ceil(tm) * n.div_ceil(tn);
+            let p = kimi_kernels::gpu::abi::MmaGemmParams {
+                a: addr(a.as_ptr()),
+                b: addr(b.as_ptr()),
+                c: addr(got.as_mut_ptr()),
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                pad_: 0,
+            };
+            // SAFETY: a, b and got hold m·k, n·k and m·n values and outlive the launch.
+            unsafe {
+                kimi_kpl_host::mma_gemm_bf16(Launch { grid: tiles.div_ceil(2) as u32 + 1, block: 2 * wave, wave }, p)
+            };
+            close(&got, &want, 1e-5 * k as f32, &format!("mma {m}×{n}×{k} wave {wave}"));
+        }
     }
 }

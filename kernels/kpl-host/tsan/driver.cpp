@@ -20,6 +20,7 @@ void kpl_cpu_launch_kpl_kda_conv_f32(unsigned, unsigned, unsigned, const KplKdaC
 void kpl_cpu_launch_kpl_silu_glu_f32(unsigned, unsigned, unsigned, const KplGluParams*);
 void kpl_cpu_launch_kpl_gelu_f32(unsigned, unsigned, unsigned, const KplGeluParams*);
 void kpl_cpu_launch_kpl_rope_table_f32(unsigned, unsigned, unsigned, const KplRopeTableParams*);
+void kpl_cpu_launch_kpl_mma_gemm_bf16(unsigned, unsigned, unsigned, const KplMmaGemmParams*);
 }
 
 int main() {
@@ -66,6 +67,11 @@ int main() {
         // x as [3 rows, 5 heads, 40 lanes], 20 pairs per row from gate's values as cos / sin.
         KplRopeTableParams rtp{x.data(), gate.data(), w.data(), rows, 5, 40, 0, 20, 0};
         kpl_cpu_launch_kpl_rope_table_f32(2, wave, wave, &rtp);
+        // A 19×21×40 product on the emulated matrix cores, two waves a block.
+        std::vector<uint16_t> ma(19 * 40, 0x3f80), mb(21 * 40, 0xbf00);
+        std::vector<float> mc(19 * 21);
+        KplMmaGemmParams mmp{ma.data(), mb.data(), mc.data(), 19, 21, 40, 0};
+        kpl_cpu_launch_kpl_mma_gemm_bf16(4, 2 * wave, wave, &mmp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

@@ -155,3 +155,16 @@ pub struct KdaConvParams {
     pub kernel: u32,
     pub pad_: u32,
 }
+
+/// `kpl_mma_gemm_bf16`: `c = a · bᵀ` on the matrix cores, a wave per output tile.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MmaGemmParams {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub pad_: u32,
+}
