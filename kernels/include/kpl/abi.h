@@ -163,3 +163,17 @@ typedef struct {
     uint32_t k;
     uint32_t pad_;
 } KplMmaGemmParams;
+
+// kpl_topk_select_f32: per row of `n` scores, the `k` largest by (score descending, position
+// ascending) — NaN scores (positions another context-parallel rank holds, or past the query) never
+// — written as positions in ascending order to out[row, 0..count[row]], count = min(k, non-NaN
+// scores). One block per row (at most 1024 threads).
+typedef struct {
+    const float* scores;
+    uint32_t* out;
+    uint32_t* count;
+    uint32_t rows;
+    uint32_t n;
+    uint32_t k;
+    uint32_t pad_;
+} KplTopkParams;

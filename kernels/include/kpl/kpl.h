@@ -223,6 +223,29 @@ KPL_DEVICE float block_sum(float v, float* scratch) {
     return t;
 }
 
+// Adds `v` to `*p` atomically (shared or global memory), returning the old value.
+KPL_DEVICE unsigned atomic_add(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+
+// Exclusive prefix sum of `v` over the block's threads in thread order; `total` gets the sum.
+// `scratch` is shared memory of at least block_dim() entries. Hillis–Steele: log₂(block) rounds,
+// each read and write separated by barriers.
+KPL_DEVICE unsigned block_exclusive_scan(unsigned v, unsigned* scratch, unsigned& total) {
+    unsigned t = thread_id(), n = block_dim();
+    scratch[t] = v;
+    sync();
+    for (unsigned off = 1; off < n; off <<= 1) {
+        unsigned add = t >= off ? scratch[t - off] : 0u;
+        sync();
+        scratch[t] += add;
+        sync();
+    }
+    unsigned inclusive = scratch[t];
+    total = scratch[n - 1];
+    // Everyone has read before anyone may write scratch again.
+    sync();
+    return inclusive - v;
+}
+
 // The larger of (v, i) and (ov, oi): greater value, ties to the lower index.
 KPL_DEVICE bool better(float ov, unsigned oi, float v, unsigned i) { return ov > v || (ov == v && oi < i); }
 

@@ -56,6 +56,10 @@ fn parameter_structs_match_abi_h() {
             kimi_kpl_host::kpl_abi_size_kpl_mma_gemm_bf16() as usize,
             size_of::<kimi_kernels::gpu::abi::MmaGemmParams>()
         );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_topk_select_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::TopkParams>()
+        );
     }
 }
 
@@ -365,4 +369,70 @@ fn mma_gemm_on_the_emulated_matrix_cores_matches_the_cpu_backend() {
             close(&got, &want, 1e-5 * k as f32, &format!("mma {m}×{n}×{k} wave {wave}"));
         }
     }
+}
+
+/// The indexer's top-k select against the CPU backend's selection on the same scores: rows of
+/// different lengths (NaN past a query's position), a page another rank holds (NaN), two pages
+/// with the same keys (exact ties, broken towards the lower position), k below, near and above the
+/// number of held positions, blocks of one and of four waves.
+#[test]
+fn topk_select_matches_the_cpu_indexer_selection() {
+    let mut rng = StdRng::seed_from_u64(0x746f706b);
+    let (heads, dim, page_tokens) = (2usize, 8usize, 16usize);
+    let mut keys = randn(&mut rng, 8 * page_tokens * dim, 1.0);
+    // Page 5 repeats page 1: equal scores at positions 16 apart.
+    let (a, b) = keys.split_at_mut(5 * page_tokens * dim);
+    b[..page_tokens * dim].copy_from_slice(&a[page_tokens * dim..2 * page_tokens * dim]);
+    let page = |i: usize| &keys[i * page_tokens * dim..(i + 1) * page_tokens * dim];
+    let empty: &[f32] = &[];
+    let caches = [
+        kimi_kernels::PagedRows {
+            pages: vec![page(0), page(1), page(2), page(3), page(4), page(5), page(6)],
+            page_tokens,
+            width: dim,
+        },
+        kimi_kernels::PagedRows { pages: vec![page(7), empty, page(1)], page_tokens, width: dim },
+    ];
+    let rows = [(0usize, 100usize), (0, 37), (1, 40), (0, 0), (1, 5)];
+    let n = 101;
+    let q = randn(&mut rng, rows.len() * heads * dim, 1.0);
+    let w = randn(&mut rng, rows.len() * heads, 1.0);
+    // A k whose cut falls between two equal scores of row 0 (its duplicated pages).
+    let all = CpuBackend.indexer_topk(&q, &w, heads, 0.5, 1000, &rows, &caches);
+    let s0 = &all[0].scores;
+    let mut order: Vec<usize> = (0..s0.len()).filter(|&i| !s0[i].is_nan()).collect();
+    order.sort_by(|&a, &b| s0[b].total_cmp(&s0[a]).then(a.cmp(&b)));
+    let tie = order.windows(2).position(|p| s0[p[0]] == s0[p[1]]).expect("duplicated keys tie") + 1;
+    let mut ties = 0;
+    for topk in [8usize, 31, tie, 1000] {
+        let sel = CpuBackend.indexer_topk(&q, &w, heads, 0.5, topk, &rows, &caches);
+        ties += sel.iter().filter(|s| s.margin == 0.0).count();
+        let mut scores = vec![f32::NAN; rows.len() * n];
+        for (r, s) in sel.iter().enumerate() {
+            scores[r * n..r * n + s.scores.len()].copy_from_slice(&s.scores);
+        }
+        for wave in WAVES {
+            for block in [wave, 4 * wave] {
+                let mut out = vec![u32::MAX; rows.len() * topk];
+                let mut count = vec![u32::MAX; rows.len()];
+                let p = kimi_kernels::gpu::abi::TopkParams {
+                    scores: addr(scores.as_ptr()),
+                    out: addr(out.as_mut_ptr()),
+                    count: addr(count.as_mut_ptr()),
+                    rows: rows.len() as u32,
+                    n: n as u32,
+                    k: topk as u32,
+                    pad_: 0,
+                };
+                // SAFETY: scores holds rows·n values, out rows·topk and count rows; all outlive it.
+                unsafe { kimi_kpl_host::topk_select_f32(Launch { grid: rows.len() as u32, block, wave }, p) };
+                for (r, s) in sel.iter().enumerate() {
+                    let got: Vec<usize> =
+                        out[r * topk..r * topk + count[r] as usize].iter().map(|&x| x as usize).collect();
+                    assert_eq!(got, s.tokens, "row {r}, top {topk}, block {block}, wave {wave}");
+                }
+            }
+        }
+    }
+    assert!(ties > 0, "a cut between equal scores was exercised");
 }

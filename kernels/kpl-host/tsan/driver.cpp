@@ -21,6 +21,7 @@ void kpl_cpu_launch_kpl_silu_glu_f32(unsigned, unsigned, unsigned, const KplGluP
 void kpl_cpu_launch_kpl_gelu_f32(unsigned, unsigned, unsigned, const KplGeluParams*);
 void kpl_cpu_launch_kpl_rope_table_f32(unsigned, unsigned, unsigned, const KplRopeTableParams*);
 void kpl_cpu_launch_kpl_mma_gemm_bf16(unsigned, unsigned, unsigned, const KplMmaGemmParams*);
+void kpl_cpu_launch_kpl_topk_select_f32(unsigned, unsigned, unsigned, const KplTopkParams*);
 }
 
 int main() {
@@ -72,6 +73,10 @@ int main() {
         std::vector<float> mc(19 * 21);
         KplMmaGemmParams mmp{ma.data(), mb.data(), mc.data(), 19, 21, 40, 0};
         kpl_cpu_launch_kpl_mma_gemm_bf16(4, 2 * wave, wave, &mmp);
+        // Top 7 of x's rows (200 scores each, repeating values: ties), two waves a block.
+        std::vector<uint32_t> tk(rows * 7), tc(rows);
+        KplTopkParams tp{x.data(), tk.data(), tc.data(), rows, cols, 7, 0};
+        kpl_cpu_launch_kpl_topk_select_f32(rows, 2 * wave, wave, &tp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

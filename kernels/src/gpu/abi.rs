@@ -168,3 +168,16 @@ pub struct MmaGemmParams {
     pub k: u32,
     pub pad_: u32,
 }
+
+/// `kpl_topk_select_f32`: per row of `n` scores, the top `k` positions (ascending) and their count.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TopkParams {
+    pub scores: u64,
+    pub out: u64,
+    pub count: u64,
+    pub rows: u32,
+    pub n: u32,
+    pub k: u32,
+    pub pad_: u32,
+}
