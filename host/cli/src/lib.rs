@@ -9,6 +9,7 @@ pub mod bench_serve;
 pub mod bench_soak;
 pub mod bench_tokenizer;
 pub mod bench_vision;
+pub mod device_check;
 pub mod inspect;
 pub mod plan;
 pub mod speculate;

@@ -324,6 +324,16 @@ enum KernelsCommand {
         #[arg(long, default_value = "target/gpu-kernels/manifest.json")]
         manifest: PathBuf,
     },
+    /// Run the built kernels on a GPU against the CPU backend and print memory bandwidth as a
+    /// fraction of HBM (what `scripts/device-check.sh` runs). Non-zero exit on any mismatch.
+    Check {
+        /// Where `scripts/build-gpu-kernels.sh` wrote the kernels and their manifest.
+        #[arg(long, default_value = "target/gpu-kernels")]
+        kernels: PathBuf,
+        /// cuda (hip: its launcher is not built yet).
+        #[arg(long, default_value = "cuda")]
+        backend: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -587,6 +597,15 @@ fn main() -> Result<()> {
             let m = kimi_kernels::gpu::manifest::Manifest::parse(&text).map_err(anyhow::Error::msg)?;
             print!("{m}");
         }
+        Command::Kernels(KernelsCommand::Check { kernels, backend }) => match backend.as_str() {
+            "cuda" => {
+                // The probe's message names what was looked for when there is no driver or device.
+                kimi_kernels::gpu::runtime::probe_cuda()?;
+                kimi_host_cli::device_check::run(&kernels)?;
+            }
+            "hip" => bail!("kernels check: the HIP launcher is not built yet (use --backend cuda)"),
+            other => bail!("kernels check: unknown backend `{other}` (cuda)"),
+        },
         Command::Plan {
             model_dir,
             gpus,

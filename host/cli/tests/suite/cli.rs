@@ -316,6 +316,10 @@ fn a_gpu_backend_without_a_gpu_is_a_clear_start_up_error() {
     }
     let out = bin().args(["serve", "--backend", "tpu"]).output().expect("run");
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cpu, hip, cuda, auto"));
+    // The device check too (cudarc dlopens the driver: this binary has no CUDA link dependency).
+    let out = bin().args(["kernels", "check", "--backend", "cuda"]).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("libcuda.so") && err.contains("--backend cpu"), "{err}");
 }
 
 /// `speculate` writes the DSpark case's tensors; `make-draft` writes a draft for any target;

@@ -1,0 +1,340 @@
+//! `kimi-host kernels check --backend cuda`: the built kernels on the GPU against the CPU
+//! backend, then memory bandwidth as a fraction of the device's HBM (`scripts/device-check.sh`
+//! runs it on a lent H200). Every check prints one line; any mismatch makes the command fail.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use kimi_kernels::gpu::abi::{EmbeddingParams, GluParams, KdaDecodeParams, MmaGemmParams, RmsnormParams, TopkParams};
+use kimi_kernels::gpu::cuda::{CudaKernels, TritonArg};
+use kimi_kernels::{
+    Backend, Bf16Matrix, CpuBackend, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, SeqSpan, f32_to_bf16_bits,
+};
+
+/// H200's HBM3e: 4.8 TB/s.
+const HBM_GBS: f64 = 4800.0;
+
+/// Values in about [-scale, scale], reproducible.
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| f32_to_bf16_bits(x)).collect()
+}
+
+fn widen(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect()
+}
+
+/// Prints a check's line; false when `got` is further than `tol · (1 + |want|)` from `want`.
+fn report(name: &str, got: &[f32], want: &[f32], tol: f32) -> bool {
+    let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs() / (1.0 + w.abs())).fold(0f32, f32::max);
+    let ok = got.len() == want.len() && worst <= tol && got.iter().all(|g| !g.is_nan());
+    println!("{} {name}: max |Δ|/(1+|want|) {worst:.2e} (bound {tol:.0e})", if ok { "ok  " } else { "FAIL" });
+    ok
+}
+
+pub fn run(dir: &Path) -> Result<()> {
+    let k = CudaKernels::open(dir).with_context(|| format!("loading the sm_90 kernels of {}", dir.display()))?;
+    println!("device: {}", k.device);
+    let mut ok = true;
+    ok &= kpl_checks(&k)?;
+    ok &= triton_checks(&k)?;
+    bandwidth(&k)?;
+    if !ok {
+        bail!("some kernels disagree with the CPU backend");
+    }
+    println!("every kernel checked matches the CPU backend");
+    Ok(())
+}
+
+fn kpl_checks(k: &CudaKernels) -> Result<bool> {
+    let mut ok = true;
+    // RMSNorm: 3 rows of 1000.
+    let (rows, cols) = (3usize, 1000usize);
+    let (x, w) = (values(1, rows * cols, 2.0), values(2, cols, 1.0));
+    let mut want = vec![0f32; rows * cols];
+    CpuBackend.rms_norm(&x, &w, 1e-5, &mut want);
+    let (dx, dw, dout) = (k.upload(&x)?, k.upload(&w)?, k.zeros::<f32>(rows * cols)?);
+    let p = RmsnormParams {
+        x: k.addr(&dx),
+        w: k.addr(&dw),
+        out: k.addr(&dout),
+        rows: rows as u32,
+        cols: cols as u32,
+        eps: 1e-5,
+        pad_: 0,
+    };
+    // SAFETY: the buffers hold the sizes in `p` and live until the stream has run.
+    unsafe { k.launch_kpl("kpl_rmsnorm_f32", rows as u32, 256, &p)? };
+    ok &= report("kpl_rmsnorm_f32", &k.download(&dout)?, &want, 1e-5);
+
+    // SiLU GLU over 4096 values.
+    let n = 4096;
+    let (gate, up) = (values(3, n, 4.0), values(4, n, 4.0));
+    let mut want = gate.clone();
+    CpuBackend.silu_glu(&mut want, &up);
+    let (dg, du) = (k.upload(&gate)?, k.upload(&up)?);
+    let p = GluParams { gate: k.addr(&dg), up: k.addr(&du), n: n as u32, pad_: 0 };
+    // SAFETY: as above.
+    unsafe { k.launch_kpl("kpl_silu_glu_f32", 8, 256, &p)? };
+    ok &= report("kpl_silu_glu_f32", &k.download(&dg)?, &want, 1e-5);
+
+    // Embedding gather: 5 ids of a 50 × 300 BF16 table (exact).
+    let table = bf16(&values(5, 50 * 300, 1.0));
+    let ids = [3u32, 49, 0, 3, 17];
+    let mut want = vec![0f32; ids.len() * 300];
+    CpuBackend.embedding(&Matrix::Bf16(Bf16Matrix::new(&table, 50, 300)), &ids, &mut want);
+    let (dt, di, dout) = (k.upload(&table)?, k.upload(&ids)?, k.zeros::<f32>(ids.len() * 300)?);
+    let p = EmbeddingParams { table: k.addr(&dt), ids: k.addr(&di), out: k.addr(&dout), tokens: 5, cols: 300 };
+    // SAFETY: as above.
+    unsafe { k.launch_kpl("kpl_embedding_bf16", 4, 256, &p)? };
+    ok &= report("kpl_embedding_bf16", &k.download(&dout)?, &want, 0.0);
+
+    // KDA decode: 3 sequences × 4 heads of 128, from random states.
+    let (seqs, heads, dim) = (3usize, 4usize, 128usize);
+    let width = heads * dim;
+    let (q, kk, v, z) = (
+        values(6, seqs * width, 2.0),
+        values(7, seqs * width, 2.0),
+        values(8, seqs * width, 2.0),
+        values(9, seqs * width, 2.0),
+    );
+    let beta = values(10, seqs * heads, 3.0);
+    let a_exp: Vec<f32> = (0..heads).map(|i| 1.0 + i as f32).collect();
+    let dt_bias = values(11, width, 0.5);
+    let states: Vec<Vec<f32>> = (0..seqs).map(|s| values(12 + s as u64, heads * dim * dim, 1.0)).collect();
+    let mut want_states = states.clone();
+    let mut want = vec![0f32; seqs * width];
+    {
+        let p = KdaParams { heads, head_dim: dim, a_exp: &a_exp, dt_bias: &dt_bias, lower_bound: -5.0 };
+        let x = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta };
+        let spans: Vec<SeqSpan> = (0..seqs).map(|i| SeqSpan { start: i, len: 1, pos: 9 }).collect();
+        let mut slots: Vec<KdaSlot<'_>> = want_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
+        CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
+    }
+    let dstates: Vec<_> = states.iter().map(|s| k.upload(s)).collect::<Result<_, _>>()?;
+    let table: Vec<u64> = dstates.iter().map(|d| k.addr(d)).collect();
+    let (dq, dk, dv, dz, db) = (k.upload(&q)?, k.upload(&kk)?, k.upload(&v)?, k.upload(&z)?, k.upload(&beta)?);
+    let (da, ddt, dtable, dout) = (k.upload(&a_exp)?, k.upload(&dt_bias)?, k.upload(&table)?, k.zeros(seqs * width)?);
+    let p = KdaDecodeParams {
+        q: k.addr(&dq),
+        k: k.addr(&dk),
+        v: k.addr(&dv),
+        z: k.addr(&dz),
+        beta_logits: k.addr(&db),
+        a_exp: k.addr(&da),
+        dt_bias: k.addr(&ddt),
+        slots: k.addr(&dtable),
+        out: k.addr(&dout),
+        seqs: seqs as u32,
+        heads: heads as u32,
+        dim: dim as u32,
+        lower_bound: -5.0,
+        q_scale: 1.0 / (dim as f32).sqrt(),
+        pad_: 0,
+    };
+    // SAFETY: as above; each sequence's slot is its own buffer.
+    unsafe { k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)? };
+    ok &= report("kpl_kda_decode_f32 output", &k.download(&dout)?, &want, 1e-4);
+    let got_states: Vec<f32> = dstates.iter().map(|d| k.download(d)).collect::<Result<Vec<_>, _>>()?.concat();
+    ok &= report("kpl_kda_decode_f32 state", &got_states, &want_states.concat(), 1e-4);
+
+    // The matrix cores: a 40 × 24 × 96 BF16 product on mma.sync.
+    let (m, n, kd) = (40usize, 24usize, 96usize);
+    let (a, b) = (bf16(&values(20, m * kd, 1.0)), bf16(&values(21, n * kd, 1.0)));
+    let mut want = vec![0f32; m * n];
+    CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&b, n, kd)), &widen(&a), m, &mut want);
+    let (da, db, dc) = (k.upload(&a)?, k.upload(&b)?, k.zeros::<f32>(m * n)?);
+    let p = MmaGemmParams {
+        a: k.addr(&da),
+        b: k.addr(&db),
+        c: k.addr(&dc),
+        m: m as u32,
+        n: n as u32,
+        k: kd as u32,
+        pad_: 0,
+    };
+    let tiles = m.div_ceil(16) * n.div_ceil(8);
+    // SAFETY: as above.
+    unsafe { k.launch_kpl("kpl_mma_gemm_bf16", tiles.div_ceil(4) as u32, 128, &p)? };
+    ok &= report("kpl_mma_gemm_bf16 (mma.sync lane tables)", &k.download(&dc)?, &want, 1e-4);
+
+    // Top-k: 2 rows of 3000 scores, top 64.
+    let (rows, n, topk) = (2usize, 3000usize, 64usize);
+    let scores = values(30, rows * n, 1.0);
+    let mut want = Vec::new();
+    for r in 0..rows {
+        let row = &scores[r * n..(r + 1) * n];
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let mut top: Vec<f32> = order[..topk].iter().map(|&i| i as f32).collect();
+        top.sort_by(f32::total_cmp);
+        want.extend(top);
+    }
+    let (ds, dout, dcount) = (k.upload(&scores)?, k.zeros::<u32>(rows * topk)?, k.zeros::<u32>(rows)?);
+    let p = TopkParams {
+        scores: k.addr(&ds),
+        out: k.addr(&dout),
+        count: k.addr(&dcount),
+        rows: rows as u32,
+        n: n as u32,
+        k: topk as u32,
+        pad_: 0,
+    };
+    // SAFETY: as above.
+    unsafe { k.launch_kpl("kpl_topk_select_f32", rows as u32, 256, &p)? };
+    let got: Vec<f32> = k.download(&dout)?.into_iter().map(|i| i as f32).collect();
+    ok &= report("kpl_topk_select_f32", &got, &want, 0.0);
+    Ok(ok)
+}
+
+/// An MXFP4 matrix from values (E2M1 codes, an E8M0 scale per 32).
+fn mxfp4(seed: u64, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+    kimi_kernels::mxfp4_quantize_rows(&values(seed, rows * cols, 1.0), rows, cols)
+}
+
+fn triton_checks(k: &CudaKernels) -> Result<bool> {
+    let mut ok = true;
+    let (m, n, kd) = (3usize, 1000usize, 512usize);
+    let x = values(40, m * kd, 1.0);
+    let xr: Vec<f32> = widen(&bf16(&x));
+    let dx = k.upload(&x)?;
+    // BF16.
+    let w = bf16(&values(41, n * kd, 1.0));
+    let mut want = vec![0f32; m * n];
+    CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&w, n, kd)), &xr, m, &mut want);
+    let (dw, dy) = (k.upload(&w)?, k.zeros::<f32>(m * n)?);
+    let args = [
+        TritonArg::Ptr(k.addr(&dx)),
+        TritonArg::Ptr(k.addr(&dw)),
+        TritonArg::Ptr(k.addr(&dy)),
+        TritonArg::I32(m as i32),
+        TritonArg::I32(n as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(n as i32),
+    ];
+    // SAFETY: the buffers hold the sizes in the arguments and live until the stream has run.
+    unsafe { k.launch_triton("triton_matmul_bf16", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
+    ok &= report("triton_matmul_bf16", &k.download(&dy)?, &want, 1e-4);
+    // MXFP4.
+    let (q, s) = mxfp4(42, n, kd);
+    let mut want = vec![0f32; m * n];
+    CpuBackend.matmul(&Matrix::Mxfp4(Mxfp4Matrix::new(&q, &s, n, kd)), &xr, m, &mut want);
+    let (dq, ds, dy) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(m * n)?);
+    let args = [
+        TritonArg::Ptr(k.addr(&dx)),
+        TritonArg::Ptr(k.addr(&dq)),
+        TritonArg::Ptr(k.addr(&ds)),
+        TritonArg::Ptr(k.addr(&dy)),
+        TritonArg::I32(m as i32),
+        TritonArg::I32(n as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(n as i32),
+    ];
+    // SAFETY: as above.
+    unsafe { k.launch_triton("triton_matmul_mxfp4", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
+    ok &= report("triton_matmul_mxfp4", &k.download(&dy)?, &want, 1e-4);
+    Ok(ok)
+}
+
+/// Times `f` (launches on the stream) over `reps` runs after one warm-up: seconds a run.
+fn time(k: &CudaKernels, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    k.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    k.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+fn bandwidth(k: &CudaKernels) -> Result<()> {
+    let reps = 20;
+    let line = |name: &str, bytes: f64, secs: f64| {
+        let gbs = bytes / secs / 1e9;
+        println!("{name}: {:.1} µs, {gbs:.0} GB/s = {:.2} of HBM ({HBM_GBS:.0} GB/s)", secs * 1e6, gbs / HBM_GBS);
+    };
+    // GEMV (one token) over an 8192 × 8192 BF16 matrix and a 16384 × 8192 MXFP4 one.
+    let kd = 8192usize;
+    let x = k.upload(&values(50, kd, 1.0))?;
+    let n = 8192usize;
+    let w = k.upload(&bf16(&values(51, n * kd, 1.0)))?;
+    let y = k.zeros::<f32>(n)?;
+    let args = [
+        TritonArg::Ptr(k.addr(&x)),
+        TritonArg::Ptr(k.addr(&w)),
+        TritonArg::Ptr(k.addr(&y)),
+        TritonArg::I32(1),
+        TritonArg::I32(n as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(n as i32),
+    ];
+    // SAFETY: the buffers hold the sizes in the arguments and outlive the timed launches.
+    let secs =
+        time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_bf16", (1, (n / 64) as u32, 1), 4, &args)?) })?;
+    line("GEMV BF16 8192×8192", (n * kd * 2) as f64, secs);
+    let n = 16384usize;
+    let (q, s) = mxfp4(52, n, kd);
+    let (dq, ds, y) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(n)?);
+    let args = [
+        TritonArg::Ptr(k.addr(&x)),
+        TritonArg::Ptr(k.addr(&dq)),
+        TritonArg::Ptr(k.addr(&ds)),
+        TritonArg::Ptr(k.addr(&y)),
+        TritonArg::I32(1),
+        TritonArg::I32(n as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(kd as i32),
+        TritonArg::I32(n as i32),
+    ];
+    // SAFETY: as above.
+    let secs =
+        time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_mxfp4", (1, (n / 64) as u32, 1), 4, &args)?) })?;
+    line("GEMV MXFP4 16384×8192", (q.len() + s.len()) as f64, secs);
+    // KDA decode: 64 sequences × 32 heads of 128 (128 MiB of f32 state read and written).
+    let (seqs, heads, dim) = (64usize, 32usize, 128usize);
+    let width = heads * dim;
+    let inputs: Vec<_> = (0..4).map(|i| k.upload(&values(60 + i, seqs * width, 1.0))).collect::<Result<_, _>>()?;
+    let beta = k.upload(&values(64, seqs * heads, 1.0))?;
+    let a_exp = k.upload(&vec![1.0f32; heads])?;
+    let dt = k.upload(&vec![0.0f32; width])?;
+    let states: Vec<_> = (0..seqs).map(|_| k.zeros::<f32>(heads * dim * dim)).collect::<Result<_, _>>()?;
+    let table = k.upload(&states.iter().map(|s| k.addr(s)).collect::<Vec<u64>>())?;
+    let out = k.zeros::<f32>(seqs * width)?;
+    let p = KdaDecodeParams {
+        q: k.addr(&inputs[0]),
+        k: k.addr(&inputs[1]),
+        v: k.addr(&inputs[2]),
+        z: k.addr(&inputs[3]),
+        beta_logits: k.addr(&beta),
+        a_exp: k.addr(&a_exp),
+        dt_bias: k.addr(&dt),
+        slots: k.addr(&table),
+        out: k.addr(&out),
+        seqs: seqs as u32,
+        heads: heads as u32,
+        dim: dim as u32,
+        lower_bound: -5.0,
+        q_scale: 1.0 / (dim as f32).sqrt(),
+        pad_: 0,
+    };
+    // SAFETY: as above.
+    let secs = time(k, reps, || unsafe { Ok(k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)?) })?;
+    line("KDA decode 64 seq × 32 heads × 128²", (2 * seqs * heads * dim * dim * 4) as f64, secs);
+    Ok(())
+}
