@@ -6,7 +6,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use kimi_kernels::gpu::abi::{EmbeddingParams, GluParams, KdaDecodeParams, MmaGemmParams, RmsnormParams, TopkParams};
+use kimi_kernels::gpu::abi::{
+    EmbeddingParams, GluParams, KdaDecodeParams, LogitsStatsParams, MmaGemmParams, RmsnormParams, TopkParams,
+};
 use kimi_kernels::gpu::cuda::{CudaKernels, TritonArg};
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, SeqSpan, f32_to_bf16_bits,
@@ -196,6 +198,27 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
     unsafe { k.launch_kpl("kpl_topk_select_f32", rows as u32, 256, &p)? };
     let got: Vec<f32> = k.download(&dout)?.into_iter().map(|i| i as f32).collect();
     ok &= report("kpl_topk_select_f32", &got, &want, 0.0);
+
+    // Logits statistics over a release-size row (163,840) at temperature 0.7.
+    let cols = 163_840usize;
+    let row = values(31, cols, 8.0);
+    let (i, m) = kimi_kernels::cpu::reduce::argmax(&row);
+    let want = [m, i as f32, kimi_kernels::cpu::reduce::log_sum_exp(&row, 0.7)];
+    let (dr, dmax, dam, dlse) = (k.upload(&row)?, k.zeros::<f32>(1)?, k.zeros::<u32>(1)?, k.zeros::<f32>(1)?);
+    let p = LogitsStatsParams {
+        logits: k.addr(&dr),
+        max: k.addr(&dmax),
+        argmax: k.addr(&dam),
+        lse: k.addr(&dlse),
+        rows: 1,
+        cols: cols as u32,
+        inv_temperature: 1.0 / 0.7,
+        pad_: 0,
+    };
+    // SAFETY: as above.
+    unsafe { k.launch_kpl("kpl_logits_stats_f32", 1, 1024, &p)? };
+    let got = [k.download(&dmax)?[0], k.download(&dam)?[0] as f32, k.download(&dlse)?[0]];
+    ok &= report("kpl_logits_stats_f32 (max, argmax, lse)", &got, &want, 1e-5);
     Ok(ok)
 }
 

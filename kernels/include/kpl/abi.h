@@ -177,3 +177,17 @@ typedef struct {
     uint32_t k;
     uint32_t pad_;
 } KplTopkParams;
+
+// kpl_logits_stats_f32: per row of `cols` logits, what a sampler call needs from the full row (the
+// host's `logit-stats`): the largest logit, its index (the lowest on ties; 0 when the row has no
+// number) and log Σ exp(logit · inv_temperature), NaN logits left out. One block per row.
+typedef struct {
+    const float* logits;
+    float* max;
+    uint32_t* argmax;
+    float* lse;
+    uint32_t rows;
+    uint32_t cols;
+    float inv_temperature;
+    uint32_t pad_;
+} KplLogitsStatsParams;

@@ -179,6 +179,21 @@ KPL_DEVICE float exp2(float x) {
 
 KPL_DEVICE float exp(float x) { return exp2(x * 1.4426950408889634f); }
 
+// log₂(x).
+KPL_DEVICE float log2(float x) {
+#if defined(KPL_AMD)
+    return __builtin_amdgcn_logf(x);
+#elif defined(KPL_NV)
+    return __nvvm_lg2_approx_f(x);
+#elif defined(KPL_CPU)
+    return std::log2(x);
+#else
+    return x;
+#endif
+}
+
+KPL_DEVICE float log(float x) { return log2(x) * 0.6931471805599453f; }
+
 KPL_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 
 // tanh through e^{-2|x|} ≤ 1, so nothing overflows.

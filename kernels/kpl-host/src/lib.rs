@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
     AttnResParams, EmbeddingParams, GatedRmsnormParams, GeluParams, GluParams, KdaConvParams, KdaDecodeParams,
-    MmaGemmParams, MoeRouteParams, RmsnormParams, RopeTableParams, SituParams, TopkParams,
+    LogitsStatsParams, MmaGemmParams, MoeRouteParams, RmsnormParams, RopeTableParams, SituParams, TopkParams,
 };
 
 unsafe extern "C" {
@@ -26,6 +26,8 @@ unsafe extern "C" {
     pub fn kpl_abi_size_kpl_mma_gemm_bf16() -> std::ffi::c_ulong;
     fn kpl_cpu_launch_kpl_topk_select_f32(grid: u32, block: u32, wave: u32, p: *const TopkParams);
     pub fn kpl_abi_size_kpl_topk_select_f32() -> std::ffi::c_ulong;
+    fn kpl_cpu_launch_kpl_logits_stats_f32(grid: u32, block: u32, wave: u32, p: *const LogitsStatsParams);
+    pub fn kpl_abi_size_kpl_logits_stats_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_silu_glu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_gelu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rope_table_f32() -> std::ffi::c_ulong;
@@ -98,6 +100,12 @@ launcher!(kda_conv_f32, kpl_cpu_launch_kpl_kda_conv_f32, KdaConvParams, "`kpl_kd
 launcher!(silu_glu_f32, kpl_cpu_launch_kpl_silu_glu_f32, GluParams, "`kpl_silu_glu_f32` on the host.");
 launcher!(gelu_f32, kpl_cpu_launch_kpl_gelu_f32, GeluParams, "`kpl_gelu_f32` on the host.");
 launcher!(rope_table_f32, kpl_cpu_launch_kpl_rope_table_f32, RopeTableParams, "`kpl_rope_table_f32` on the host.");
+launcher!(
+    logits_stats_f32,
+    kpl_cpu_launch_kpl_logits_stats_f32,
+    LogitsStatsParams,
+    "`kpl_logits_stats_f32` on the host."
+);
 launcher!(topk_select_f32, kpl_cpu_launch_kpl_topk_select_f32, TopkParams, "`kpl_topk_select_f32` on the host.");
 launcher!(
     mma_gemm_bf16,

@@ -47,6 +47,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_rope_table_f32", size_of::<kimi_kernels::gpu::abi::RopeTableParams>()),
         ("kpl_mma_gemm_bf16", size_of::<kimi_kernels::gpu::abi::MmaGemmParams>()),
         ("kpl_topk_select_f32", size_of::<kimi_kernels::gpu::abi::TopkParams>()),
+        ("kpl_logits_stats_f32", size_of::<kimi_kernels::gpu::abi::LogitsStatsParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

@@ -60,6 +60,10 @@ fn parameter_structs_match_abi_h() {
             kimi_kpl_host::kpl_abi_size_kpl_topk_select_f32() as usize,
             size_of::<kimi_kernels::gpu::abi::TopkParams>()
         );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_logits_stats_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::LogitsStatsParams>()
+        );
     }
 }
 
@@ -435,4 +439,52 @@ fn topk_select_matches_the_cpu_indexer_selection() {
         }
     }
     assert!(ties > 0, "a cut between equal scores was exercised");
+}
+
+/// The logits statistics (what a sampler call starts from) against the CPU's reductions: rows of
+/// random logits at two temperatures, a row with NaNs and a tie for the maximum (the lowest index
+/// wins), an all-NaN row and an all −∞ row, a row of 163,840 (the release vocabulary).
+#[test]
+fn logits_stats_match_the_cpu_reductions() {
+    use kimi_kernels::cpu::reduce::{argmax, log_sum_exp};
+    let mut rng = StdRng::seed_from_u64(0x6c6f67);
+    for (rows, cols) in [(5usize, 1000usize), (1, 163_840)] {
+        let mut x = randn(&mut rng, rows * cols, 8.0);
+        if rows > 1 {
+            x[3] = f32::NAN;
+            x[10] = 20.0;
+            x[700] = 20.0;
+            x[cols..2 * cols].fill(f32::NAN);
+            x[2 * cols..3 * cols].fill(f32::NEG_INFINITY);
+        }
+        for temperature in [1.0f32, 0.7] {
+            for wave in WAVES {
+                let (mut mx, mut am, mut lse) = (vec![0f32; rows], vec![u32::MAX; rows], vec![0f32; rows]);
+                let p = kimi_kernels::gpu::abi::LogitsStatsParams {
+                    logits: addr(x.as_ptr()),
+                    max: addr(mx.as_mut_ptr()),
+                    argmax: addr(am.as_mut_ptr()),
+                    lse: addr(lse.as_mut_ptr()),
+                    rows: rows as u32,
+                    cols: cols as u32,
+                    inv_temperature: 1.0 / temperature,
+                    pad_: 0,
+                };
+                // SAFETY: x holds rows·cols values and each output rows; all outlive the launch.
+                unsafe { kimi_kpl_host::logits_stats_f32(Launch { grid: rows as u32, block: 4 * wave, wave }, p) };
+                for r in 0..rows {
+                    let row = &x[r * cols..(r + 1) * cols];
+                    let (i, m) = argmax(row);
+                    let what = format!("row {r} of {cols}, T {temperature}, wave {wave}");
+                    assert_eq!((am[r], mx[r].to_bits()), (i, m.to_bits()), "{what}: argmax");
+                    let want = log_sum_exp(row, temperature);
+                    assert!(
+                        want.to_bits() == lse[r].to_bits() || (want - lse[r]).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{what}: log-sum-exp {} vs {want}",
+                        lse[r]
+                    );
+                }
+            }
+        }
+    }
 }

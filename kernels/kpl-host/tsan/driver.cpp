@@ -22,6 +22,7 @@ void kpl_cpu_launch_kpl_gelu_f32(unsigned, unsigned, unsigned, const KplGeluPara
 void kpl_cpu_launch_kpl_rope_table_f32(unsigned, unsigned, unsigned, const KplRopeTableParams*);
 void kpl_cpu_launch_kpl_mma_gemm_bf16(unsigned, unsigned, unsigned, const KplMmaGemmParams*);
 void kpl_cpu_launch_kpl_topk_select_f32(unsigned, unsigned, unsigned, const KplTopkParams*);
+void kpl_cpu_launch_kpl_logits_stats_f32(unsigned, unsigned, unsigned, const KplLogitsStatsParams*);
 }
 
 int main() {
@@ -77,6 +78,10 @@ int main() {
         std::vector<uint32_t> tk(rows * 7), tc(rows);
         KplTopkParams tp{x.data(), tk.data(), tc.data(), rows, cols, 7, 0};
         kpl_cpu_launch_kpl_topk_select_f32(rows, 2 * wave, wave, &tp);
+        std::vector<float> lmax(rows), lse(rows);
+        std::vector<uint32_t> lam(rows);
+        KplLogitsStatsParams lp{x.data(), lmax.data(), lam.data(), lse.data(), rows, cols, 1.0f, 0};
+        kpl_cpu_launch_kpl_logits_stats_f32(rows, 2 * wave, wave, &lp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

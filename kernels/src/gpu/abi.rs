@@ -181,3 +181,17 @@ pub struct TopkParams {
     pub k: u32,
     pub pad_: u32,
 }
+
+/// `kpl_logits_stats_f32`: per row, max, argmax (lowest index) and log-sum-exp at a temperature.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LogitsStatsParams {
+    pub logits: u64,
+    pub max: u64,
+    pub argmax: u64,
+    pub lse: u64,
+    pub rows: u32,
+    pub cols: u32,
+    pub inv_temperature: f32,
+    pub pad_: u32,
+}

@@ -44,6 +44,7 @@ unsafe impl DeviceRepr for abi::EmbeddingParams {}
 unsafe impl DeviceRepr for abi::KdaDecodeParams {}
 unsafe impl DeviceRepr for abi::MmaGemmParams {}
 unsafe impl DeviceRepr for abi::TopkParams {}
+unsafe impl DeviceRepr for abi::LogitsStatsParams {}
 
 /// One argument of a Triton kernel.
 #[derive(Clone, Copy, Debug)]
