@@ -191,3 +191,14 @@ typedef struct {
     float inv_temperature;
     uint32_t pad_;
 } KplLogitsStatsParams;
+
+// kpl_fp8_quantize_f32: per token row of `cols` activations, ATOM's ptpc_fp8 activation scale
+// s = max|x| / 448 (1 when the row is all zero or its max is not finite) and the E4M3 codes of x / s
+// (nearest, ties to even, saturating at ±448; NaN → 0x7F). One block per row.
+typedef struct {
+    const float* x;
+    uint8_t* codes;
+    float* scales;
+    uint32_t rows;
+    uint32_t cols;
+} KplFp8QuantizeParams;

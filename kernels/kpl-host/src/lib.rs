@@ -6,8 +6,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kimi_kernels::gpu::abi::{
-    AttnResParams, EmbeddingParams, GatedRmsnormParams, GeluParams, GluParams, KdaConvParams, KdaDecodeParams,
-    LogitsStatsParams, MmaGemmParams, MoeRouteParams, RmsnormParams, RopeTableParams, SituParams, TopkParams,
+    AttnResParams, EmbeddingParams, Fp8QuantizeParams, GatedRmsnormParams, GeluParams, GluParams, KdaConvParams,
+    KdaDecodeParams, LogitsStatsParams, MmaGemmParams, MoeRouteParams, RmsnormParams, RopeTableParams, SituParams,
+    TopkParams,
 };
 
 unsafe extern "C" {
@@ -28,6 +29,8 @@ unsafe extern "C" {
     pub fn kpl_abi_size_kpl_topk_select_f32() -> std::ffi::c_ulong;
     fn kpl_cpu_launch_kpl_logits_stats_f32(grid: u32, block: u32, wave: u32, p: *const LogitsStatsParams);
     pub fn kpl_abi_size_kpl_logits_stats_f32() -> std::ffi::c_ulong;
+    fn kpl_cpu_launch_kpl_fp8_quantize_f32(grid: u32, block: u32, wave: u32, p: *const Fp8QuantizeParams);
+    pub fn kpl_abi_size_kpl_fp8_quantize_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_silu_glu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_gelu_f32() -> std::ffi::c_ulong;
     pub fn kpl_abi_size_kpl_rope_table_f32() -> std::ffi::c_ulong;
@@ -105,6 +108,12 @@ launcher!(
     kpl_cpu_launch_kpl_logits_stats_f32,
     LogitsStatsParams,
     "`kpl_logits_stats_f32` on the host."
+);
+launcher!(
+    fp8_quantize_f32,
+    kpl_cpu_launch_kpl_fp8_quantize_f32,
+    Fp8QuantizeParams,
+    "`kpl_fp8_quantize_f32` on the host."
 );
 launcher!(topk_select_f32, kpl_cpu_launch_kpl_topk_select_f32, TopkParams, "`kpl_topk_select_f32` on the host.");
 launcher!(

@@ -48,6 +48,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("kpl_mma_gemm_bf16", size_of::<kimi_kernels::gpu::abi::MmaGemmParams>()),
         ("kpl_topk_select_f32", size_of::<kimi_kernels::gpu::abi::TopkParams>()),
         ("kpl_logits_stats_f32", size_of::<kimi_kernels::gpu::abi::LogitsStatsParams>()),
+        ("kpl_fp8_quantize_f32", size_of::<kimi_kernels::gpu::abi::Fp8QuantizeParams>()),
     ];
     for arch in ["gfx950", "gfx942", "sm_90"] {
         for (name, size) in want {

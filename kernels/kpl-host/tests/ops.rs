@@ -64,6 +64,10 @@ fn parameter_structs_match_abi_h() {
             kimi_kpl_host::kpl_abi_size_kpl_logits_stats_f32() as usize,
             size_of::<kimi_kernels::gpu::abi::LogitsStatsParams>()
         );
+        assert_eq!(
+            kimi_kpl_host::kpl_abi_size_kpl_fp8_quantize_f32() as usize,
+            size_of::<kimi_kernels::gpu::abi::Fp8QuantizeParams>()
+        );
     }
 }
 
@@ -485,6 +489,56 @@ fn logits_stats_match_the_cpu_reductions() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// FP8 activation quantisation against the CPU's E4M3 encoder, code for code: random rows, a zero
+/// row, a row with NaN and ±∞ (its scale falls back to 1), a row of every E4M3 value times a
+/// scale and the midpoints between neighbours (ties to even), values in the subnormal range.
+#[test]
+fn fp8_quantize_matches_the_cpu_encoder() {
+    use kimi_kernels::cpu::fp8::{e4m3_to_f32, f32_to_e4m3};
+    let mut rng = StdRng::seed_from_u64(0x667038);
+    let cols = 300usize;
+    let mut rows: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, cols, 5.0)).collect();
+    rows.push(vec![0.0; cols]);
+    let mut special = randn(&mut rng, cols, 1.0);
+    special[0] = f32::NAN;
+    special[1] = f32::INFINITY;
+    special[2] = f32::NEG_INFINITY;
+    rows.push(special);
+    // Every finite code's value and the midpoints to the next, scaled so max|x| = 448 exactly.
+    let mut grid: Vec<f32> = (0u8..0x7F).map(e4m3_to_f32).collect();
+    let mids: Vec<f32> = grid.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    grid.extend(mids);
+    grid.extend(grid.clone().iter().map(|v| -v));
+    grid.resize(cols, 1e-4);
+    rows.push(grid);
+    let x: Vec<f32> = rows.concat();
+    let n = rows.len();
+    let mut want_codes = Vec::new();
+    let mut want_scales = Vec::new();
+    for row in &rows {
+        let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = if m > 0.0 && m.is_finite() { m / 448.0 } else { 1.0 };
+        want_scales.push(s);
+        want_codes.extend(row.iter().map(|v| f32_to_e4m3(v / s)));
+    }
+    for wave in WAVES {
+        let (mut codes, mut scales) = (vec![0xAAu8; n * cols], vec![0f32; n]);
+        let p = kimi_kernels::gpu::abi::Fp8QuantizeParams {
+            x: addr(x.as_ptr()),
+            codes: addr(codes.as_mut_ptr()),
+            scales: addr(scales.as_mut_ptr()),
+            rows: n as u32,
+            cols: cols as u32,
+        };
+        // SAFETY: x and codes hold rows·cols values, scales rows; all outlive the launch.
+        unsafe { kimi_kpl_host::fp8_quantize_f32(Launch { grid: n as u32, block: 2 * wave, wave }, p) };
+        assert_eq!(scales, want_scales, "wave {wave}: scales");
+        for (i, (g, w)) in codes.iter().zip(&want_codes).enumerate() {
+            assert_eq!(g, w, "wave {wave}: row {}, column {}: value {}", i / cols, i % cols, x[i]);
         }
     }
 }

@@ -23,6 +23,7 @@ void kpl_cpu_launch_kpl_rope_table_f32(unsigned, unsigned, unsigned, const KplRo
 void kpl_cpu_launch_kpl_mma_gemm_bf16(unsigned, unsigned, unsigned, const KplMmaGemmParams*);
 void kpl_cpu_launch_kpl_topk_select_f32(unsigned, unsigned, unsigned, const KplTopkParams*);
 void kpl_cpu_launch_kpl_logits_stats_f32(unsigned, unsigned, unsigned, const KplLogitsStatsParams*);
+void kpl_cpu_launch_kpl_fp8_quantize_f32(unsigned, unsigned, unsigned, const KplFp8QuantizeParams*);
 }
 
 int main() {
@@ -82,6 +83,10 @@ int main() {
         std::vector<uint32_t> lam(rows);
         KplLogitsStatsParams lp{x.data(), lmax.data(), lam.data(), lse.data(), rows, cols, 1.0f, 0};
         kpl_cpu_launch_kpl_logits_stats_f32(rows, 2 * wave, wave, &lp);
+        std::vector<uint8_t> codes(rows * cols);
+        std::vector<float> scales(rows);
+        KplFp8QuantizeParams fp{x.data(), codes.data(), scales.data(), rows, cols};
+        kpl_cpu_launch_kpl_fp8_quantize_f32(rows, 2 * wave, wave, &fp);
     }
     std::puts("kpl ops ran at wave 32 and 64");
     return 0;

@@ -195,3 +195,14 @@ pub struct LogitsStatsParams {
     pub inv_temperature: f32,
     pub pad_: u32,
 }
+
+/// `kpl_fp8_quantize_f32`: per token row, the ptpc_fp8 scale and the E4M3 codes of x / scale.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fp8QuantizeParams {
+    pub x: u64,
+    pub codes: u64,
+    pub scales: u64,
+    pub rows: u32,
+    pub cols: u32,
+}
