@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kimi_triton import gemm, indexer, kda, mla  # noqa: E402
+from kimi_triton import attention, gemm, indexer, kda, mla  # noqa: E402
 
 I32 = "i32"
 # (kernel, signature, constexprs). Tiles: 16 token rows (decode and small batches), 64 outputs,
@@ -70,6 +70,13 @@ KERNELS += [
      {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
       "state_ptr": "*fp32", "out_ptr": "*fp32", "cu_ptr": "*i32", "H": I32, "K": I32, "V": I32},
      {"C": 16, "BLOCK_K": 32, "BLOCK_V": 32}),
+]
+# The vision tower's attention: heads up to 128 wide; 64 query and 32 key rows a block.
+KERNELS += [
+    (attention.attention_varlen,
+     {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*fp32", "starts_ptr": "*i32",
+      "lens_ptr": "*i32", "H": I32, "D": I32, "scale": "fp32"},
+     {"BLOCK_M": 64, "BLOCK_N": 32, "D_PAD": 128}),
 ]
 TARGETS = [("gfx950", GPUTarget("hip", "gfx950", 64)), ("sm_90", GPUTarget("cuda", 90, 32))]
 

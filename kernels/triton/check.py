@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 
-from kimi_triton import gemm, indexer, kda, mla  # noqa: E402
+from kimi_triton import attention, gemm, indexer, kda, mla  # noqa: E402
 from kimi_triton.guard import guarded  # noqa: E402
 
 DTYPES = {"f32": np.float32, "u8": np.uint8, "u16": np.uint16, "i32": np.int32}
@@ -80,6 +80,13 @@ def launch(kernel, p, t, outs):
         kda.kda_chunk_prefill[(seqs, heads, cdiv(dv, p["block_v"]))](
             t["q"], t["k"], t["v"], t["g"], t["beta"], outs["state"], outs["out"], t["cu"], heads, dk, dv,
             C=p["chunk"], BLOCK_K=p["block_k"], BLOCK_V=p["block_v"])
+    elif kernel == "attention_varlen":
+        heads, dim = p["heads"], p["dim"]
+        outs["out"].array[...] = 0.0  # rows in no span stay zero
+        longest = int(t["lens"].array.max(initial=0))
+        grid = (max(1, cdiv(longest, p["block_m"])), heads, len(t["lens"].array))
+        attention.attention_varlen[grid](t["q"], t["k"], t["v"], outs["out"], t["starts"], t["lens"], heads, dim,
+                                         p["scale"], BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], D_PAD=p["d_pad"])
     else:
         raise ValueError(f"unknown kernel {kernel}")
 

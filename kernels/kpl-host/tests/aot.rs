@@ -80,8 +80,8 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
     // The Triton kernels: a gfx950 code object and an sm_90 cubin each, the products on the
     // matrix cores (MFMA / wgmma or mma), no VGPR spilled to scratch on gfx950.
     // (kernel, on MFMA at gfx950, on mma at sm_90): the IEEE f32 products of MLA decode, the
-    // indexer and KDA have MFMA instructions on gfx950 but run on the FMA units of sm_90; the
-    // merge has no product.
+    // indexer, KDA and the vision attention have MFMA instructions on gfx950 but run on the FMA
+    // units of sm_90; the merge has no product.
     let triton = [
         ("triton_matmul_bf16", true, true),
         ("triton_matmul_mxfp4", true, true),
@@ -91,6 +91,7 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
         ("triton_attention_merge", false, false),
         ("triton_indexer_scores", true, false),
         ("triton_kda_chunk_prefill", true, false),
+        ("triton_attention_varlen", true, false),
     ];
     for (name, mfma, mma) in triton {
         for (arch, machine) in [("gfx950", 224u16), ("sm_90", 190)] {

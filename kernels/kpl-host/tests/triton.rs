@@ -487,6 +487,35 @@ fn kda_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     });
 }
 
+/// The vision tower's block-diagonal attention: three spans (17, 1 and 40 rows: partial, single
+/// and multi-block query and key tiles) with a row in no span between them (zeros), against the
+/// CPU backend's `attention_varlen`.
+fn attention_cases(rng: &mut Rng, out: &mut Vec<Case>) {
+    let (heads, dim) = (3usize, 24usize);
+    let spans = [(0usize, 17usize), (18, 1), (19, 40)];
+    let rows = 59;
+    let (q, k, v) = (rng.vec(rows * heads * dim), rng.vec(rows * heads * dim), rng.vec(rows * heads * dim));
+    let scale = 1.0 / (dim as f32).sqrt();
+    let ss: Vec<kimi_kernels::SeqSpan> =
+        spans.iter().map(|&(start, len)| kimi_kernels::SeqSpan { start, len, pos: 0 }).collect();
+    let mut want = vec![0f32; rows * heads * dim];
+    CpuBackend.attention_varlen(&q, &k, &v, heads, dim, &ss, scale, &mut want);
+    out.push(Case {
+        name: "attention_varlen".into(),
+        kernel: "attention_varlen",
+        params: json!({"heads": heads, "dim": dim, "scale": scale, "block_m": 16, "block_n": 16, "d_pad": 32}),
+        inputs: vec![
+            ("q", Data::F32(q), vec![rows, heads, dim]),
+            ("k", Data::F32(k), vec![rows, heads, dim]),
+            ("v", Data::F32(v), vec![rows, heads, dim]),
+            ("starts", Data::I32(spans.iter().map(|s| s.0 as i32).collect()), vec![spans.len()]),
+            ("lens", Data::I32(spans.iter().map(|s| s.1 as i32).collect()), vec![spans.len()]),
+        ],
+        // Convex combinations of values in [-1, 1].
+        outputs: vec![Output { name: "out", bound: vec![2e-5; want.len()], want, shape: vec![rows, heads, dim] }],
+    });
+}
+
 #[test]
 fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
@@ -510,6 +539,7 @@ fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
     mla_cases(&mut rng, &mut cases);
     indexer_cases(&mut rng, &mut cases);
     kda_cases(&mut rng, &mut cases);
+    attention_cases(&mut rng, &mut cases);
     for c in &cases {
         c.write(&dir);
     }
