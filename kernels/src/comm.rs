@@ -4,8 +4,8 @@
 //! [`ThreadComm`] is the in-process implementation for CPU ranks (one thread per rank): each rank
 //! writes its slot, waits at a barrier, then every rank reduces the slots **in rank order**, so
 //! all ranks hold bit-identical results (as a real all-reduce gives every rank the same bits), and
-//! waits again before a slot may be reused. The RCCL / NCCL implementations arrive with the GPU
-//! backend behind the same trait.
+//! waits again before a slot may be reused. `gpu::nccl::NcclComm` (feature `cuda`) implements the
+//! same trait over NCCL / RCCL.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex, PoisonError};

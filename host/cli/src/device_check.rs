@@ -52,6 +52,7 @@ pub fn run(dir: &Path) -> Result<()> {
     let mut ok = true;
     ok &= kpl_checks(&k)?;
     ok &= triton_checks(&k)?;
+    ok &= collectives();
     bandwidth(&k)?;
     if !ok {
         bail!("some kernels disagree with the CPU backend");
@@ -220,6 +221,43 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
     let got = [k.download(&dmax)?[0], k.download(&dam)?[0] as f32, k.download(&dlse)?[0]];
     ok &= report("kpl_logits_stats_f32 (max, argmax, lse)", &got, &want, 1e-5);
     Ok(ok)
+}
+
+/// NCCL (or RCCL) behind the `Communicator` trait on this machine's first GPU: a one-rank group
+/// runs every collective (identity on one rank, but every call goes through the library).
+fn collectives() -> bool {
+    use kimi_kernels::Communicator;
+    use kimi_kernels::gpu::nccl::{NcclComm, probe};
+    match probe() {
+        Err(e) => {
+            println!("skip collectives: {e}");
+            true
+        }
+        Ok((version, library)) => {
+            let run = std::panic::catch_unwind(|| -> Result<bool, kimi_kernels::gpu::nccl::NcclError> {
+                let comms = NcclComm::group(1)?;
+                let c = &comms[0];
+                let x = values(70, 1000, 1.0);
+                let mut buf = x.clone();
+                c.all_reduce_sum(&mut buf);
+                let mut gathered = vec![0f32; x.len()];
+                c.all_gather(&x, &mut gathered);
+                let mut scattered = vec![0f32; x.len()];
+                c.reduce_scatter_sum(&x, &[x.len()], &mut scattered);
+                let mut b = x.clone();
+                c.broadcast(&mut b, 0);
+                c.barrier();
+                Ok(buf == x && gathered == x && scattered == x && b == x)
+            });
+            let ok = matches!(run, Ok(Ok(true)));
+            println!(
+                "{} collectives through {library} (API {version}), one rank: {:?}",
+                if ok { "ok  " } else { "FAIL" },
+                run.map(|r| r.map_err(|e| e.to_string()))
+            );
+            ok
+        }
+    }
 }
 
 /// An MXFP4 matrix from values (E2M1 codes, an E8M0 scale per 32).

@@ -10,4 +10,6 @@ pub mod abi;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod manifest;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod runtime;
