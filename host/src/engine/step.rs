@@ -1072,14 +1072,7 @@ impl Worker {
             .into_par_iter()
             .map(|(k, row, mut m, want_logprobs)| match m.mask() {
                 Ok(mask) => {
-                    let mut masked = vec![f32::NEG_INFINITY; row.logits.len()];
-                    let mut any = false;
-                    mask.iter_set_entries(|i| {
-                        if let Some(v) = row.logits.get(i) {
-                            masked[i] = *v;
-                            any = true;
-                        }
-                    });
+                    let (masked, any) = masked_row(&mask, &row.logits);
                     let original = std::mem::replace(&mut row.logits, masked);
                     let e = (!any).then(|| EngineError::Constraint("no token is allowed here".into()));
                     (k, row.run, row.seq, m, want_logprobs.then_some(original), e)
@@ -1278,16 +1271,23 @@ impl SampledWalk {
     }
 }
 
-/// Sets the logits of the tokens `mask` disallows to −∞; false when it allows none of the row.
-fn apply_mask(mask: &SimpleVob, row: &mut [f32]) -> bool {
+/// `row` with the tokens `mask` disallows at −∞, and whether it allows any token of the row.
+fn masked_row(mask: &SimpleVob, row: &[f32]) -> (Vec<f32>, bool) {
+    let mut masked = vec![f32::NEG_INFINITY; row.len()];
     let mut any = false;
-    for (i, l) in row.iter_mut().enumerate() {
-        if mask.is_allowed(i as u32) {
-            any |= *l > f32::NEG_INFINITY;
-        } else {
-            *l = f32::NEG_INFINITY;
+    mask.iter_set_entries(|i| {
+        if let Some(v) = row.get(i) {
+            masked[i] = *v;
+            any = true;
         }
-    }
+    });
+    (masked, any)
+}
+
+/// [`masked_row`] in place; false when the mask allows no token of the row.
+fn apply_mask(mask: &SimpleVob, row: &mut [f32]) -> bool {
+    let (masked, any) = masked_row(mask, row);
+    row.copy_from_slice(&masked);
     any
 }
 

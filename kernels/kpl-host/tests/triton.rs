@@ -284,6 +284,34 @@ fn moe_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     });
 }
 
+/// The CPU backend's view of sequences whose rows live in `arena` pages (`[pages, page_tokens,
+/// width]`) through page tables (−1: a page another context-parallel rank holds).
+fn paged<'a>(
+    tables: &[&[i32]],
+    arena: &'a [f32],
+    page_tokens: usize,
+    width: usize,
+) -> Vec<kimi_kernels::PagedRows<'a>> {
+    let page = page_tokens * width;
+    tables
+        .iter()
+        .map(|t| kimi_kernels::PagedRows {
+            pages: t.iter().map(|&p| if p < 0 { &arena[..0] } else { &arena[p as usize * page..][..page] }).collect(),
+            page_tokens,
+            width,
+        })
+        .collect()
+}
+
+/// The page tables as the kernels take them: `[sequences, max_pages]`, −1 past each table.
+fn table_matrix(tables: &[&[i32]], max_pages: usize) -> Vec<i32> {
+    let mut m = vec![-1i32; tables.len() * max_pages];
+    for (s, t) in tables.iter().enumerate() {
+        m[s * max_pages..s * max_pages + t.len()].copy_from_slice(t);
+    }
+    m
+}
+
 /// Absorbed MLA decode over a paged latent arena (pages out of order; a hole another
 /// context-parallel rank holds; sequences of 1, 40 and 65 tokens; queries mid-sequence and inside
 /// the hole's span), whole (one split) and split three ways then merged.
@@ -298,24 +326,11 @@ fn mla_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     let tokens = rows.len();
     let q = rng.vec(tokens * heads * w);
     let scale = 0.3f32;
-    let caches: Vec<kimi_kernels::PagedRows<'_>> = tables
-        .iter()
-        .map(|t| kimi_kernels::PagedRows {
-            pages: t
-                .iter()
-                .map(|&p| if p < 0 { &arena[..0] } else { &arena[p as usize * page_tokens * w..][..page_tokens * w] })
-                .collect(),
-            page_tokens,
-            width: w,
-        })
-        .collect();
+    let caches = paged(&tables, &arena, page_tokens, w);
     let mut ctx = vec![0f32; tokens * heads * rank];
     let mut lse = vec![0f32; tokens * heads];
     CpuBackend.mla_attention(&q, heads, rank, scale, &rows, &caches, None, &mut ctx, Some(&mut lse));
-    let mut table = vec![-1i32; tables.len() * max_pages];
-    for (s, t) in tables.iter().enumerate() {
-        table[s * max_pages..s * max_pages + t.len()].copy_from_slice(t);
-    }
+    let table = table_matrix(&tables, max_pages);
     for (splits, split_tokens) in [(1usize, 80usize), (3, 32)] {
         out.push(Case {
             name: format!("mla_decode_splits{splits}"),
@@ -363,17 +378,7 @@ fn indexer_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     let q = rng.vec(tokens * heads * dim);
     let w = rng.vec(tokens * heads);
     let scale = 0.25f32;
-    let caches: Vec<kimi_kernels::PagedRows<'_>> = tables
-        .iter()
-        .map(|t| kimi_kernels::PagedRows {
-            pages: t
-                .iter()
-                .map(|&p| if p < 0 { &keys[..0] } else { &keys[p as usize * page_tokens * dim..][..page_tokens * dim] })
-                .collect(),
-            page_tokens,
-            width: dim,
-        })
-        .collect();
+    let caches = paged(&tables, &keys, page_tokens, dim);
     let sel = CpuBackend.indexer_topk(&q, &w, heads, scale, 8, &rows, &caches);
     let mut want = vec![f32::NEG_INFINITY; tokens * s_max];
     let mut bnd = vec![0f32; tokens * s_max];
@@ -393,10 +398,7 @@ fn indexer_cases(rng: &mut Rng, out: &mut Vec<Case>) {
             }
         }
     }
-    let mut table = vec![-1i32; tables.len() * max_pages];
-    for (s, t) in tables.iter().enumerate() {
-        table[s * max_pages..s * max_pages + t.len()].copy_from_slice(t);
-    }
+    let table = table_matrix(&tables, max_pages);
     out.push(Case {
         name: "indexer_scores".into(),
         kernel: "indexer_scores",

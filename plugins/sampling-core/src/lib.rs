@@ -361,23 +361,10 @@ impl SeqState {
         let p = &self.params;
         let unfiltered = !(p.top_k > 0 && p.top_k < vocab) && p.top_p >= 1.0 && p.min_p <= 0.0;
         loop {
-            let complete = k >= vocab;
-            if !cands.is_sorted_by(|a, b| canonical(a, b).is_le()) {
-                cands.sort_unstable_by(canonical);
-            }
-            let list = merge_canonical(
-                cands.iter().copied().filter(|c| !c.1.is_nan() && !step.marks.contains(c.0)),
-                &step.adjusted,
-                cands.len() + step.adjusted.len(),
-            );
-            if list.is_empty() {
-                return Err("no finite logits".into());
-            }
-            let outside_max = if complete { f32::NEG_INFINITY } else { cands.last().map_or(f32::INFINITY, |c| c.1) };
-            let walk = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
-            let grow = |k: u32| (k.saturating_mul(4)).min(vocab);
+            let Known { list, outside_max, sure: walk, complete } =
+                known(&mut cands, k, vocab, &step.marks, &step.adjusted)?;
             if walk == 0 {
-                k = grow(k);
+                k = grow(k, vocab);
                 cands = src.top_k(k);
                 continue;
             }
@@ -401,7 +388,7 @@ impl SeqState {
                 let probs = (0..kept).map(|i| (lazy.get(i) / z) as f32).collect();
                 return Ok(Distribution { tokens: list[..kept].iter().map(|c| c.0).collect(), probs, tail: None });
             }
-            k = grow(k.max(p.top_k));
+            k = grow(k.max(p.top_k), vocab);
             cands = src.top_k(k);
         }
     }
@@ -424,25 +411,9 @@ impl SeqState {
         // Set once a draw has been read in whole-vocabulary probability units (see below).
         let mut full_units = false;
         loop {
-            let complete = k >= vocab;
-            if !cands.is_sorted_by(|a, b| canonical(a, b).is_le()) {
-                cands.sort_unstable_by(canonical);
-            }
-            // Candidates without the adjusted tokens, merged with the adjusted ones.
-            let list = merge_canonical(
-                cands.iter().copied().filter(|c| !c.1.is_nan() && !marks.contains(c.0)),
-                adjusted,
-                cands.len() + adjusted.len(),
-            );
-            if list.is_empty() {
-                return Err("no finite logits".into());
-            }
-            let outside_max = if complete { f32::NEG_INFINITY } else { cands.last().map_or(f32::INFINITY, |c| c.1) };
-            // The canonical-order prefix this list is sure of.
-            let walk = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
-            let grow = |k: u32| (k.saturating_mul(4)).min(vocab);
+            let Known { list, outside_max, sure: walk, complete } = known(&mut cands, k, vocab, marks, adjusted)?;
             if walk == 0 {
-                k = grow(k);
+                k = grow(k, vocab);
                 cands = src.top_k(k);
                 continue;
             }
@@ -472,7 +443,7 @@ impl SeqState {
                 full_units = false;
                 continue;
             }
-            k = grow(k.max(self.params.top_k));
+            k = grow(k.max(self.params.top_k), vocab);
             cands = src.top_k(k);
         }
     }
@@ -563,6 +534,48 @@ impl IdMarks {
 
 thread_local! {
     static ADJUSTED_MARKS: std::cell::Cell<IdMarks> = const { std::cell::Cell::new(IdMarks(Vec::new())) };
+}
+
+/// What a candidate list tells of the canonical order (see `SeqState::sample`).
+struct Known {
+    /// The candidates without the adjusted tokens, merged with the adjusted ones.
+    list: Vec<(u32, f32)>,
+    /// No token outside the list has a larger logit (−∞ once the list is the whole row).
+    outside_max: f32,
+    /// How many leading tokens of `list` are surely the canonical order's first.
+    sure: usize,
+    /// The candidates are the whole row.
+    complete: bool,
+}
+
+/// Sorts the `k` candidates (if the source did not) and reads them as [`Known`].
+fn known(
+    cands: &mut [(u32, f32)],
+    k: u32,
+    vocab: u32,
+    marks: &IdMarks,
+    adjusted: &[(u32, f32)],
+) -> Result<Known, String> {
+    let complete = k >= vocab;
+    if !cands.is_sorted_by(|a, b| canonical(a, b).is_le()) {
+        cands.sort_unstable_by(canonical);
+    }
+    let list = merge_canonical(
+        cands.iter().copied().filter(|c| !c.1.is_nan() && !marks.contains(c.0)),
+        adjusted,
+        cands.len() + adjusted.len(),
+    );
+    if list.is_empty() {
+        return Err("no finite logits".into());
+    }
+    let outside_max = if complete { f32::NEG_INFINITY } else { cands.last().map_or(f32::INFINITY, |c| c.1) };
+    let sure = if complete { list.len() } else { list.iter().take_while(|c| c.1 >= outside_max).count() };
+    Ok(Known { list, outside_max, sure, complete })
+}
+
+/// The next candidate count when the list is too short.
+fn grow(k: u32, vocab: u32) -> u32 {
+    k.saturating_mul(4).min(vocab)
 }
 
 /// Canonical order: logit descending, then id ascending.
