@@ -265,6 +265,16 @@ fn mxfp4(seed: u64, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
     kimi_kernels::mxfp4_quantize_rows(&values(seed, rows * cols, 1.0), rows, cols)
 }
 
+/// The arguments of `matmul_bf16` / `matmul_mxfp4`: x, the weight's buffers, y, then M, N, K and
+/// the row strides of x and y (contiguous rows).
+fn matmul_args(x: u64, weight: &[u64], y: u64, m: usize, n: usize, k: usize) -> Vec<TritonArg> {
+    let mut args = vec![TritonArg::Ptr(x)];
+    args.extend(weight.iter().map(|&w| TritonArg::Ptr(w)));
+    args.push(TritonArg::Ptr(y));
+    args.extend([m, n, k, k, n].map(|v| TritonArg::I32(v as i32)));
+    args
+}
+
 fn triton_checks(k: &CudaKernels) -> Result<bool> {
     let mut ok = true;
     let (m, n, kd) = (3usize, 1000usize, 512usize);
@@ -276,16 +286,7 @@ fn triton_checks(k: &CudaKernels) -> Result<bool> {
     let mut want = vec![0f32; m * n];
     CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&w, n, kd)), &xr, m, &mut want);
     let (dw, dy) = (k.upload(&w)?, k.zeros::<f32>(m * n)?);
-    let args = [
-        TritonArg::Ptr(k.addr(&dx)),
-        TritonArg::Ptr(k.addr(&dw)),
-        TritonArg::Ptr(k.addr(&dy)),
-        TritonArg::I32(m as i32),
-        TritonArg::I32(n as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(n as i32),
-    ];
+    let args = matmul_args(k.addr(&dx), &[k.addr(&dw)], k.addr(&dy), m, n, kd);
     // SAFETY: the buffers hold the sizes in the arguments and live until the stream has run.
     unsafe { k.launch_triton("triton_matmul_bf16", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
     ok &= report("triton_matmul_bf16", &k.download(&dy)?, &want, 1e-4);
@@ -294,17 +295,7 @@ fn triton_checks(k: &CudaKernels) -> Result<bool> {
     let mut want = vec![0f32; m * n];
     CpuBackend.matmul(&Matrix::Mxfp4(Mxfp4Matrix::new(&q, &s, n, kd)), &xr, m, &mut want);
     let (dq, ds, dy) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(m * n)?);
-    let args = [
-        TritonArg::Ptr(k.addr(&dx)),
-        TritonArg::Ptr(k.addr(&dq)),
-        TritonArg::Ptr(k.addr(&ds)),
-        TritonArg::Ptr(k.addr(&dy)),
-        TritonArg::I32(m as i32),
-        TritonArg::I32(n as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(n as i32),
-    ];
+    let args = matmul_args(k.addr(&dx), &[k.addr(&dq), k.addr(&ds)], k.addr(&dy), m, n, kd);
     // SAFETY: as above.
     unsafe { k.launch_triton("triton_matmul_mxfp4", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
     ok &= report("triton_matmul_mxfp4", &k.download(&dy)?, &want, 1e-4);
@@ -335,16 +326,7 @@ fn bandwidth(k: &CudaKernels) -> Result<()> {
     let n = 8192usize;
     let w = k.upload(&bf16(&values(51, n * kd, 1.0)))?;
     let y = k.zeros::<f32>(n)?;
-    let args = [
-        TritonArg::Ptr(k.addr(&x)),
-        TritonArg::Ptr(k.addr(&w)),
-        TritonArg::Ptr(k.addr(&y)),
-        TritonArg::I32(1),
-        TritonArg::I32(n as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(n as i32),
-    ];
+    let args = matmul_args(k.addr(&x), &[k.addr(&w)], k.addr(&y), 1, n, kd);
     // SAFETY: the buffers hold the sizes in the arguments and outlive the timed launches.
     let secs =
         time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_bf16", (1, (n / 64) as u32, 1), 4, &args)?) })?;
@@ -352,17 +334,7 @@ fn bandwidth(k: &CudaKernels) -> Result<()> {
     let n = 16384usize;
     let (q, s) = mxfp4(52, n, kd);
     let (dq, ds, y) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(n)?);
-    let args = [
-        TritonArg::Ptr(k.addr(&x)),
-        TritonArg::Ptr(k.addr(&dq)),
-        TritonArg::Ptr(k.addr(&ds)),
-        TritonArg::Ptr(k.addr(&y)),
-        TritonArg::I32(1),
-        TritonArg::I32(n as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(kd as i32),
-        TritonArg::I32(n as i32),
-    ];
+    let args = matmul_args(k.addr(&x), &[k.addr(&dq), k.addr(&ds)], k.addr(&y), 1, n, kd);
     // SAFETY: as above.
     let secs =
         time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_mxfp4", (1, (n / 64) as u32, 1), 4, &args)?) })?;

@@ -7,6 +7,8 @@ blocks of keys, f32 throughout (`input_precision="ieee"`).
 import triton
 import triton.language as tl
 
+from .softmax import online_softmax_step
+
 
 @triton.jit
 def attention_varlen(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, H, D, scale,
@@ -37,12 +39,6 @@ def attention_varlen(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, H, D, s
             vv = tl.load(v_ptr + rows, mask=live_n[:, None] & live_d, other=0.0)
             sc = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
             sc = tl.where(live_n[None, :], sc, float("-inf"))
-            # Every key block holds a live key, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p, vv, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, sc, vv)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (start + rm)[:, None].to(tl.int64) * W + head, out, mask=(rm < n)[:, None] & live_d)

@@ -10,6 +10,8 @@ the products use IEEE f32 (`input_precision="ieee"`), as the CPU backend's.
 import triton
 import triton.language as tl
 
+from .softmax import online_softmax_step
+
 
 @triton.jit
 def mla_decode(q_ptr, cache_ptr, table_ptr, seq_ptr, pos_ptr, ctx_ptr, lse_ptr,
@@ -49,13 +51,8 @@ def mla_decode(q_ptr, cache_ptr, table_ptr, seq_ptr, pos_ptr, ctx_ptr, lse_ptr,
             s = tl.dot(qc, tl.trans(kc), input_precision="ieee")
             s = tl.dot(qp, tl.trans(kp), s, input_precision="ieee") * scale
             s = tl.where(live_s[None, :], s, float("-inf"))
-            # Online softmax; every block holds a live position, so `m_new` is finite.
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            z = z * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p, kc, acc * alpha[:, None], input_precision="ieee")
-            m = m_new
+            # The latent rows are the values too.
+            m, z, acc = online_softmax_step(m, z, acc, s, kc)
     held = z > 0
     ctx = tl.where(held[:, None], acc / tl.where(held, z, 1.0)[:, None], 0.0)
     lse = tl.where(held, m + tl.log(tl.where(held, z, 1.0)), float("-inf"))
