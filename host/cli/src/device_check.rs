@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use kimi_kernels::gpu::abi::{
     EmbeddingParams, GluParams, KdaDecodeParams, LogitsStatsParams, MmaGemmParams, RmsnormParams, TopkParams,
 };
-use kimi_kernels::gpu::cuda::{CudaKernels, TritonArg};
+use kimi_kernels::gpu::cuda::{CudaKernels, DeviceBuffer, TritonArg};
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, SeqSpan, f32_to_bf16_bits,
 };
@@ -127,29 +127,11 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
         CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
     }
     let dstates: Vec<_> = states.iter().map(|s| k.upload(s)).collect::<Result<_, _>>()?;
-    let table: Vec<u64> = dstates.iter().map(|d| k.addr(d)).collect();
-    let (dq, dk, dv, dz, db) = (k.upload(&q)?, k.upload(&kk)?, k.upload(&v)?, k.upload(&z)?, k.upload(&beta)?);
-    let (da, ddt, dtable, dout) = (k.upload(&a_exp)?, k.upload(&dt_bias)?, k.upload(&table)?, k.zeros(seqs * width)?);
-    let p = KdaDecodeParams {
-        q: k.addr(&dq),
-        k: k.addr(&dk),
-        v: k.addr(&dv),
-        z: k.addr(&dz),
-        beta_logits: k.addr(&db),
-        a_exp: k.addr(&da),
-        dt_bias: k.addr(&ddt),
-        slots: k.addr(&dtable),
-        out: k.addr(&dout),
-        seqs: seqs as u32,
-        heads: heads as u32,
-        dim: dim as u32,
-        lower_bound: -5.0,
-        q_scale: 1.0 / (dim as f32).sqrt(),
-        pad_: 0,
-    };
+    let d = KdaDecode::upload(k, [&q, &kk, &v, &z], &beta, &a_exp, &dt_bias, &dstates)?;
+    let p = d.params(k, seqs, heads, dim);
     // SAFETY: as above; each sequence's slot is its own buffer.
     unsafe { k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)? };
-    ok &= report("kpl_kda_decode_f32 output", &k.download(&dout)?, &want, 1e-4);
+    ok &= report("kpl_kda_decode_f32 output", &k.download(&d.out)?, &want, 1e-4);
     let got_states: Vec<f32> = dstates.iter().map(|d| k.download(d)).collect::<Result<Vec<_>, _>>()?.concat();
     ok &= report("kpl_kda_decode_f32 state", &got_states, &want_states.concat(), 1e-4);
 
@@ -260,6 +242,52 @@ fn collectives() -> bool {
     }
 }
 
+/// One KDA decode step's device buffers (q, k, v and z, β logits, the per-head constants, the slot
+/// table of the states, the output).
+struct KdaDecode {
+    inputs: Vec<DeviceBuffer<f32>>,
+    table: DeviceBuffer<u64>,
+    out: DeviceBuffer<f32>,
+}
+
+impl KdaDecode {
+    fn upload(
+        k: &CudaKernels,
+        qkvz: [&[f32]; 4],
+        beta: &[f32],
+        a_exp: &[f32],
+        dt_bias: &[f32],
+        states: &[DeviceBuffer<f32>],
+    ) -> Result<KdaDecode> {
+        let inputs =
+            qkvz.iter().chain([&beta, &a_exp, &dt_bias]).map(|x| k.upload(x)).collect::<Result<Vec<_>, _>>()?;
+        let table = k.upload(&states.iter().map(|s| k.addr(s)).collect::<Vec<u64>>())?;
+        let out = k.zeros::<f32>(qkvz[0].len())?;
+        Ok(KdaDecode { inputs, table, out })
+    }
+
+    fn params(&self, k: &CudaKernels, seqs: usize, heads: usize, dim: usize) -> KdaDecodeParams {
+        let at = |i: usize| k.addr(&self.inputs[i]);
+        KdaDecodeParams {
+            q: at(0),
+            k: at(1),
+            v: at(2),
+            z: at(3),
+            beta_logits: at(4),
+            a_exp: at(5),
+            dt_bias: at(6),
+            slots: k.addr(&self.table),
+            out: k.addr(&self.out),
+            seqs: seqs as u32,
+            heads: heads as u32,
+            dim: dim as u32,
+            lower_bound: -5.0,
+            q_scale: 1.0 / (dim as f32).sqrt(),
+            pad_: 0,
+        }
+    }
+}
+
 /// An MXFP4 matrix from values (E2M1 codes, an E8M0 scale per 32).
 fn mxfp4(seed: u64, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
     kimi_kernels::mxfp4_quantize_rows(&values(seed, rows * cols, 1.0), rows, cols)
@@ -342,30 +370,11 @@ fn bandwidth(k: &CudaKernels) -> Result<()> {
     // KDA decode: 64 sequences × 32 heads of 128 (128 MiB of f32 state read and written).
     let (seqs, heads, dim) = (64usize, 32usize, 128usize);
     let width = heads * dim;
-    let inputs: Vec<_> = (0..4).map(|i| k.upload(&values(60 + i, seqs * width, 1.0))).collect::<Result<_, _>>()?;
-    let beta = k.upload(&values(64, seqs * heads, 1.0))?;
-    let a_exp = k.upload(&vec![1.0f32; heads])?;
-    let dt = k.upload(&vec![0.0f32; width])?;
+    let inputs: Vec<Vec<f32>> = (0..4).map(|i| values(60 + i, seqs * width, 1.0)).collect();
     let states: Vec<_> = (0..seqs).map(|_| k.zeros::<f32>(heads * dim * dim)).collect::<Result<_, _>>()?;
-    let table = k.upload(&states.iter().map(|s| k.addr(s)).collect::<Vec<u64>>())?;
-    let out = k.zeros::<f32>(seqs * width)?;
-    let p = KdaDecodeParams {
-        q: k.addr(&inputs[0]),
-        k: k.addr(&inputs[1]),
-        v: k.addr(&inputs[2]),
-        z: k.addr(&inputs[3]),
-        beta_logits: k.addr(&beta),
-        a_exp: k.addr(&a_exp),
-        dt_bias: k.addr(&dt),
-        slots: k.addr(&table),
-        out: k.addr(&out),
-        seqs: seqs as u32,
-        heads: heads as u32,
-        dim: dim as u32,
-        lower_bound: -5.0,
-        q_scale: 1.0 / (dim as f32).sqrt(),
-        pad_: 0,
-    };
+    let (beta, a_exp, dt) = (values(64, seqs * heads, 1.0), vec![1.0f32; heads], vec![0.0f32; width]);
+    let d = KdaDecode::upload(k, [&inputs[0], &inputs[1], &inputs[2], &inputs[3]], &beta, &a_exp, &dt, &states)?;
+    let p = d.params(k, seqs, heads, dim);
     // SAFETY: as above.
     let secs = time(k, reps, || unsafe { Ok(k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)?) })?;
     line("KDA decode 64 seq × 32 heads × 128²", (2 * seqs * heads * dim * dim * 4) as f64, secs);

@@ -19,6 +19,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+/// A device buffer (cudarc's), for callers of [`CudaKernels`].
+pub use cudarc::driver::CudaSlice as DeviceBuffer;
+
 use super::abi;
 use super::manifest::Manifest;
 
