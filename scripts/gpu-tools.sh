@@ -5,6 +5,11 @@
 # Versions are pinned here, in one place.
 #
 #   scripts/gpu-tools.sh          KIMI_GPU_TOOLS=DIR: where the venv lives (default target/gpu-tools)
+#
+# Exits 75 (EX_TEMPFAIL) when the tools cannot be installed for the machine's reasons, PyPI out of
+# reach or a full disk, and the tests skip on it, saying why; any other failed install (a bad pin)
+# exits 1. A failed install leaves no half-made venv behind. pip keeps no cache: the wheels
+# (Triton's is ~300 MB) are installed once.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 tools=${KIMI_GPU_TOOLS:-$root/target/gpu-tools}
@@ -19,8 +24,25 @@ for pin in sys.argv[1:]:
         sys.exit(1)
 PY
 }
+install() {
+    { [ -x "$tools/bin/python" ] || python3 -m venv "$tools"; } &&
+        "$tools/bin/pip" install -q --no-cache-dir "${pins[@]}"
+}
 if ! have; then
-    [ -x "$tools/bin/python" ] || python3 -m venv "$tools" >&2
-    "$tools/bin/pip" install -q "${pins[@]}" >&2
+    log=$(mktemp)
+    if ! install > "$log" 2>&1; then
+        cat "$log" >&2
+        rm -rf "$tools"
+        why=1
+        if grep -q -e "No space left on device" -e "Errno 28" "$log"; then
+            why=75
+        elif ! python3 -c 'import socket; socket.create_connection(("pypi.org", 443), 5)' 2>/dev/null; then
+            why=75
+        fi
+        rm -f "$log"
+        echo "gpu-tools: could not install ${pins[*]} into $tools (exit $why: 75 is the machine's fault)" >&2
+        exit $why
+    fi
+    rm -f "$log"
 fi
 echo "$tools/bin/python"

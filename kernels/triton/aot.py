@@ -13,6 +13,9 @@ import sys
 
 # Pinned: Triton 3.9 warns that its default flips in 3.10, which would change codegen silently.
 os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"
+# Triton's compile cache stays inside the build's output, not in ~/.triton (one place to delete).
+if len(sys.argv) > 1:
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.abspath(sys.argv[1]), ".triton-cache"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402

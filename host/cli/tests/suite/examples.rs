@@ -58,7 +58,7 @@ fn componentize_py() -> Option<PathBuf> {
     if !bin.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
         let mut pip = Command::new(venv.join("bin/pip"));
-        pip.args(["install", "--quiet", "componentize-py==0.25.1"]);
+        pip.args(["install", "--quiet", "--no-cache-dir", "componentize-py==0.25.1"]);
         if !common::pip_install_or_skip("python_policy_example_builds_and_runs", &mut pip) {
             return None;
         }

@@ -208,19 +208,25 @@ pub fn redis_server() -> (PathBuf, Option<PathBuf>) {
 }
 
 /// Runs a package installer; on failure, decides between skipping (PyPI cannot be reached from
-/// here: the test prints why and returns) and failing (it can, so the failure is real).
-/// `KIMI_REQUIRE_PYPI=1` makes an unreachable index a failure too.
+/// here, or the disk is full: the machine's fault; the test prints why and returns) and failing
+/// (otherwise the failure is real). `KIMI_REQUIRE_PYPI=1` makes both failures too.
 pub fn pip_install_or_skip(test: &str, cmd: &mut std::process::Command) -> bool {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     if out.status.success() {
         return true;
     }
     let why = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    if std::env::var_os("KIMI_REQUIRE_PYPI").is_none() && !pypi_reachable() {
-        eprintln!("SKIPPED {test}: PyPI (pypi.org:443) is unreachable, so its packages cannot be installed:\n{why}");
-        return false;
+    if std::env::var_os("KIMI_REQUIRE_PYPI").is_none() {
+        if why.contains("No space left on device") || why.contains("Errno 28") {
+            eprintln!("SKIPPED {test}: the disk is full, so its packages cannot be installed:\n{why}");
+            return false;
+        }
+        if !pypi_reachable() {
+            eprintln!("SKIPPED {test}: PyPI (pypi.org:443) is unreachable, so its packages cannot be installed:\n{why}");
+            return false;
+        }
     }
-    panic!("{cmd:?} failed although PyPI is reachable:\n{why}");
+    panic!("{cmd:?} failed although PyPI is reachable and the disk has room:\n{why}");
 }
 
 /// Whether a TCP connection to pypi.org:443 opens within 5 s.
