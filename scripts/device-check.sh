@@ -12,9 +12,12 @@
 #   2. `kimi-host kernels check --backend cuda`: loads every sm_90 kernel of the manifest (kpl's
 #      PTX through the driver's JIT, Triton's cubins), runs RMSNorm, SiLU-GLU, the BF16 gather, the
 #      KDA decode step, the matrix-core product (mma.sync's lane tables), the top-k select and the
-#      Triton BF16 / MXFP4 products against the CPU backend, then GEMV (BF16, MXFP4) and KDA-decode
-#      bandwidth as a fraction of HBM. Non-zero exit on any mismatch.
-# The model's CUDA backend does not exist yet, so the text goldens cannot run through CUDA.
+#      Triton BF16 / MXFP4 products against the CPU backend, then a random K3.1 model (MXFP4
+#      experts) through the staged GPU backend against the CPU backend (prefill and decode logits,
+#      greedy tokens), then GEMV (BF16, MXFP4) and KDA-decode bandwidth as a fraction of HBM.
+#      Non-zero exit on any mismatch. (The goldens' files stay out of the project, so the model
+#      check uses a generated model; the goldens pass through the same backend on the host in CI.)
+# On an MI355X the same run is `kimi-host kernels check --backend hip` (never tried).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

@@ -13,9 +13,6 @@ import sys
 
 # Pinned: Triton 3.9 warns that its default flips in 3.10, which would change codegen silently.
 os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"
-# Triton's compile cache stays inside the build's output, not in ~/.triton (one place to delete).
-if len(sys.argv) > 1:
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.abspath(sys.argv[1]), ".triton-cache"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
@@ -95,6 +92,9 @@ def amd_counts(asm):
 
 def main():
     out = sys.argv[1]
+    # Triton's compile cache stays inside the build's output, not in ~/.triton (one place to
+    # delete); it is read when the first kernel compiles.
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.abspath(out), ".triton-cache"))
     entries = []
     for fn, signature, constexprs in KERNELS:
         sig = dict(signature, **{k: "constexpr" for k in constexprs})
@@ -104,7 +104,8 @@ def main():
             name = fn.__name__
             entry = {"name": f"triton_{name}", "arch": arch, "params_size": 0, "vgpr": None, "agpr": None,
                      "sgpr": None, "ptx_regs": None, "lds": k.metadata.shared, "spills": None,
-                     "source": "triton", "signature": ",".join(signature.values())}
+                     "source": "triton", "signature": ",".join(signature.values()),
+                     "num_warps": k.metadata.num_warps}
             if arch == "sm_90":
                 entry["file"] = f"sm_90/triton_{name}.cubin"
                 open(os.path.join(out, entry["file"]), "wb").write(k.asm["cubin"])

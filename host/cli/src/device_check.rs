@@ -1,21 +1,38 @@
-//! `kimi-host kernels check --backend cuda`: the built kernels on the GPU against the CPU
+//! `kimi-host kernels check --backend cuda|hip`: the built kernels on the GPU against the CPU
 //! backend, then memory bandwidth as a fraction of the device's HBM (`scripts/device-check.sh`
 //! runs it on a lent H200). Every check prints one line; any mismatch makes the command fail.
+//! The same checks run on either runtime through [`GpuDevice`]: launch shapes follow the
+//! device's wave (32 on NVIDIA, 64 on AMD CDNA).
 
-use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use kimi_host::model::tiny::{TinyOptions, make_tiny};
+use kimi_host::model::{LogitsFor, Model};
 use kimi_kernels::gpu::abi::{
     EmbeddingParams, GluParams, KdaDecodeParams, LogitsStatsParams, MmaGemmParams, RmsnormParams, TopkParams,
 };
-use kimi_kernels::gpu::cuda::{CudaKernels, DeviceBuffer, TritonArg};
+use kimi_kernels::gpu::backend::GpuBackend;
+use kimi_kernels::gpu::device::{GpuBuffer, GpuDevice, KernelArg, launch_kpl, launch_triton};
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix, SeqSpan, f32_to_bf16_bits,
 };
 
-/// H200's HBM3e: 4.8 TB/s.
-const HBM_GBS: f64 = 4800.0;
+/// The device's HBM bandwidth in GB/s, from its name (H100 3.35 TB/s, H200 4.8, MI300X 5.3,
+/// MI355X 8); `None` for a device this table does not know.
+fn hbm_gbs(dev: &dyn GpuDevice) -> Option<f64> {
+    let name = dev.describe();
+    [("H100", 3350.0), ("H200", 4800.0), ("MI300X", 5300.0), ("MI325X", 6000.0), ("MI355X", 8000.0)]
+        .into_iter()
+        .find(|(n, _)| name.contains(n))
+        .map(|(_, g)| g)
+        .or(match dev.arch() {
+            "gfx950" => Some(8000.0),
+            "gfx942" => Some(5300.0),
+            _ => None,
+        })
+}
 
 /// Values in about [-scale, scale], reproducible.
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -46,14 +63,16 @@ fn report(name: &str, got: &[f32], want: &[f32], tol: f32) -> bool {
     ok
 }
 
-pub fn run(dir: &Path) -> Result<()> {
-    let k = CudaKernels::open(dir).with_context(|| format!("loading the sm_90 kernels of {}", dir.display()))?;
-    println!("device: {}", k.device);
+/// Runs every check on `dev` (`kernels check` opens it from the manifest's directory).
+pub fn run(dev: Arc<dyn GpuDevice>) -> Result<()> {
+    let k = &*dev;
+    println!("device: {}", k.describe());
     let mut ok = true;
-    ok &= kpl_checks(&k)?;
-    ok &= triton_checks(&k)?;
+    ok &= kpl_checks(k)?;
+    ok &= triton_checks(k)?;
     ok &= collectives();
-    bandwidth(&k)?;
+    ok &= model_check(dev.clone())?;
+    bandwidth(k)?;
     if !ok {
         bail!("some kernels disagree with the CPU backend");
     }
@@ -61,48 +80,50 @@ pub fn run(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn kpl_checks(k: &CudaKernels) -> Result<bool> {
+fn kpl_checks(k: &dyn GpuDevice) -> Result<bool> {
     let mut ok = true;
     // RMSNorm: 3 rows of 1000.
     let (rows, cols) = (3usize, 1000usize);
     let (x, w) = (values(1, rows * cols, 2.0), values(2, cols, 1.0));
     let mut want = vec![0f32; rows * cols];
     CpuBackend.rms_norm(&x, &w, 1e-5, &mut want);
-    let (dx, dw, dout) = (k.upload(&x)?, k.upload(&w)?, k.zeros::<f32>(rows * cols)?);
+    let (dx, dw, dout) =
+        (GpuBuffer::upload(k, &x)?, GpuBuffer::upload(k, &w)?, GpuBuffer::<f32>::zeros(k, rows * cols)?);
     let p = RmsnormParams {
-        x: k.addr(&dx),
-        w: k.addr(&dw),
-        out: k.addr(&dout),
+        x: dx.addr(),
+        w: dw.addr(),
+        out: dout.addr(),
         rows: rows as u32,
         cols: cols as u32,
         eps: 1e-5,
         pad_: 0,
     };
     // SAFETY: the buffers hold the sizes in `p` and live until the stream has run.
-    unsafe { k.launch_kpl("kpl_rmsnorm_f32", rows as u32, 256, &p)? };
-    ok &= report("kpl_rmsnorm_f32", &k.download(&dout)?, &want, 1e-5);
+    unsafe { launch_kpl(k, "kpl_rmsnorm_f32", rows as u32, 256, &p)? };
+    ok &= report("kpl_rmsnorm_f32", &dout.download()?, &want, 1e-5);
 
     // SiLU GLU over 4096 values.
     let n = 4096;
     let (gate, up) = (values(3, n, 4.0), values(4, n, 4.0));
     let mut want = gate.clone();
     CpuBackend.silu_glu(&mut want, &up);
-    let (dg, du) = (k.upload(&gate)?, k.upload(&up)?);
-    let p = GluParams { gate: k.addr(&dg), up: k.addr(&du), n: n as u32, pad_: 0 };
+    let (dg, du) = (GpuBuffer::upload(k, &gate)?, GpuBuffer::upload(k, &up)?);
+    let p = GluParams { gate: dg.addr(), up: du.addr(), n: n as u32, pad_: 0 };
     // SAFETY: as above.
-    unsafe { k.launch_kpl("kpl_silu_glu_f32", 8, 256, &p)? };
-    ok &= report("kpl_silu_glu_f32", &k.download(&dg)?, &want, 1e-5);
+    unsafe { launch_kpl(k, "kpl_silu_glu_f32", 8, 256, &p)? };
+    ok &= report("kpl_silu_glu_f32", &dg.download()?, &want, 1e-5);
 
     // Embedding gather: 5 ids of a 50 × 300 BF16 table (exact).
     let table = bf16(&values(5, 50 * 300, 1.0));
     let ids = [3u32, 49, 0, 3, 17];
     let mut want = vec![0f32; ids.len() * 300];
     CpuBackend.embedding(&Matrix::Bf16(Bf16Matrix::new(&table, 50, 300)), &ids, &mut want);
-    let (dt, di, dout) = (k.upload(&table)?, k.upload(&ids)?, k.zeros::<f32>(ids.len() * 300)?);
-    let p = EmbeddingParams { table: k.addr(&dt), ids: k.addr(&di), out: k.addr(&dout), tokens: 5, cols: 300 };
+    let (dt, di, dout) =
+        (GpuBuffer::upload(k, &table)?, GpuBuffer::upload(k, &ids)?, GpuBuffer::<f32>::zeros(k, ids.len() * 300)?);
+    let p = EmbeddingParams { table: dt.addr(), ids: di.addr(), out: dout.addr(), tokens: 5, cols: 300 };
     // SAFETY: as above.
-    unsafe { k.launch_kpl("kpl_embedding_bf16", 4, 256, &p)? };
-    ok &= report("kpl_embedding_bf16", &k.download(&dout)?, &want, 0.0);
+    unsafe { launch_kpl(k, "kpl_embedding_bf16", 4, 256, &p)? };
+    ok &= report("kpl_embedding_bf16", &dout.download()?, &want, 0.0);
 
     // KDA decode: 3 sequences × 4 heads of 128, from random states.
     let (seqs, heads, dim) = (3usize, 4usize, 128usize);
@@ -126,34 +147,28 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
         let mut slots: Vec<KdaSlot<'_>> = want_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
         CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
     }
-    let dstates: Vec<_> = states.iter().map(|s| k.upload(s)).collect::<Result<_, _>>()?;
+    let dstates: Vec<_> = states.iter().map(|s| GpuBuffer::upload(k, s)).collect::<Result<_, _>>()?;
     let d = KdaDecode::upload(k, [&q, &kk, &v, &z], &beta, &a_exp, &dt_bias, &dstates)?;
-    let p = d.params(k, seqs, heads, dim);
+    let p = d.params(seqs, heads, dim);
     // SAFETY: as above; each sequence's slot is its own buffer.
-    unsafe { k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)? };
-    ok &= report("kpl_kda_decode_f32 output", &k.download(&d.out)?, &want, 1e-4);
-    let got_states: Vec<f32> = dstates.iter().map(|d| k.download(d)).collect::<Result<Vec<_>, _>>()?.concat();
+    unsafe { launch_kpl(k, "kpl_kda_decode_f32", (seqs * heads) as u32, k.wave(), &p)? };
+    ok &= report("kpl_kda_decode_f32 output", &d.out.download()?, &want, 1e-4);
+    let got_states: Vec<f32> = dstates.iter().map(|d| d.download()).collect::<Result<Vec<_>, _>>()?.concat();
     ok &= report("kpl_kda_decode_f32 state", &got_states, &want_states.concat(), 1e-4);
 
-    // The matrix cores: a 40 × 24 × 96 BF16 product on mma.sync.
+    // The matrix cores: a 40 × 24 × 96 BF16 product on mma.sync (sm_90, 16×8 tiles) or the
+    // MFMA (CDNA, 16×16 tiles), four waves a block.
     let (m, n, kd) = (40usize, 24usize, 96usize);
     let (a, b) = (bf16(&values(20, m * kd, 1.0)), bf16(&values(21, n * kd, 1.0)));
     let mut want = vec![0f32; m * n];
     CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&b, n, kd)), &widen(&a), m, &mut want);
-    let (da, db, dc) = (k.upload(&a)?, k.upload(&b)?, k.zeros::<f32>(m * n)?);
-    let p = MmaGemmParams {
-        a: k.addr(&da),
-        b: k.addr(&db),
-        c: k.addr(&dc),
-        m: m as u32,
-        n: n as u32,
-        k: kd as u32,
-        pad_: 0,
-    };
-    let tiles = m.div_ceil(16) * n.div_ceil(8);
+    let (da, db, dc) = (GpuBuffer::upload(k, &a)?, GpuBuffer::upload(k, &b)?, GpuBuffer::<f32>::zeros(k, m * n)?);
+    let p = MmaGemmParams { a: da.addr(), b: db.addr(), c: dc.addr(), m: m as u32, n: n as u32, k: kd as u32, pad_: 0 };
+    let tile_n = if k.wave() == 64 { 16 } else { 8 };
+    let tiles = m.div_ceil(16) * n.div_ceil(tile_n);
     // SAFETY: as above.
-    unsafe { k.launch_kpl("kpl_mma_gemm_bf16", tiles.div_ceil(4) as u32, 128, &p)? };
-    ok &= report("kpl_mma_gemm_bf16 (mma.sync lane tables)", &k.download(&dc)?, &want, 1e-4);
+    unsafe { launch_kpl(k, "kpl_mma_gemm_bf16", tiles.div_ceil(4) as u32, 4 * k.wave(), &p)? };
+    ok &= report("kpl_mma_gemm_bf16 (the matrix cores' lane tables)", &dc.download()?, &want, 1e-4);
 
     // Top-k: 2 rows of 3000 scores, top 64.
     let (rows, n, topk) = (2usize, 3000usize, 64usize);
@@ -167,19 +182,20 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
         top.sort_by(f32::total_cmp);
         want.extend(top);
     }
-    let (ds, dout, dcount) = (k.upload(&scores)?, k.zeros::<u32>(rows * topk)?, k.zeros::<u32>(rows)?);
+    let (ds, dout, dcount) =
+        (GpuBuffer::upload(k, &scores)?, GpuBuffer::<u32>::zeros(k, rows * topk)?, GpuBuffer::<u32>::zeros(k, rows)?);
     let p = TopkParams {
-        scores: k.addr(&ds),
-        out: k.addr(&dout),
-        count: k.addr(&dcount),
+        scores: ds.addr(),
+        out: dout.addr(),
+        count: dcount.addr(),
         rows: rows as u32,
         n: n as u32,
         k: topk as u32,
         pad_: 0,
     };
     // SAFETY: as above.
-    unsafe { k.launch_kpl("kpl_topk_select_f32", rows as u32, 256, &p)? };
-    let got: Vec<f32> = k.download(&dout)?.into_iter().map(|i| i as f32).collect();
+    unsafe { launch_kpl(k, "kpl_topk_select_f32", rows as u32, 256, &p)? };
+    let got: Vec<f32> = dout.download()?.into_iter().map(|i| i as f32).collect();
     ok &= report("kpl_topk_select_f32", &got, &want, 0.0);
 
     // Logits statistics over a release-size row (163,840) at temperature 0.7.
@@ -187,20 +203,25 @@ fn kpl_checks(k: &CudaKernels) -> Result<bool> {
     let row = values(31, cols, 8.0);
     let (i, m) = kimi_kernels::cpu::reduce::argmax(&row);
     let want = [m, i as f32, kimi_kernels::cpu::reduce::log_sum_exp(&row, 0.7)];
-    let (dr, dmax, dam, dlse) = (k.upload(&row)?, k.zeros::<f32>(1)?, k.zeros::<u32>(1)?, k.zeros::<f32>(1)?);
+    let (dr, dmax, dam, dlse) = (
+        GpuBuffer::upload(k, &row)?,
+        GpuBuffer::<f32>::zeros(k, 1)?,
+        GpuBuffer::<u32>::zeros(k, 1)?,
+        GpuBuffer::<f32>::zeros(k, 1)?,
+    );
     let p = LogitsStatsParams {
-        logits: k.addr(&dr),
-        max: k.addr(&dmax),
-        argmax: k.addr(&dam),
-        lse: k.addr(&dlse),
+        logits: dr.addr(),
+        max: dmax.addr(),
+        argmax: dam.addr(),
+        lse: dlse.addr(),
         rows: 1,
         cols: cols as u32,
         inv_temperature: 1.0 / 0.7,
         pad_: 0,
     };
     // SAFETY: as above.
-    unsafe { k.launch_kpl("kpl_logits_stats_f32", 1, 1024, &p)? };
-    let got = [k.download(&dmax)?[0], k.download(&dam)?[0] as f32, k.download(&dlse)?[0]];
+    unsafe { launch_kpl(k, "kpl_logits_stats_f32", 1, 1024, &p)? };
+    let got = [dmax.download()?[0], dam.download()?[0] as f32, dlse.download()?[0]];
     ok &= report("kpl_logits_stats_f32 (max, argmax, lse)", &got, &want, 1e-5);
     Ok(ok)
 }
@@ -242,32 +263,82 @@ fn collectives() -> bool {
     }
 }
 
-/// One KDA decode step's device buffers (q, k, v and z, β logits, the per-head constants, the slot
-/// table of the states, the output).
-struct KdaDecode {
-    inputs: Vec<DeviceBuffer<f32>>,
-    table: DeviceBuffer<u64>,
-    out: DeviceBuffer<f32>,
+/// Logits may differ from the CPU backend's by this much (absolute) through the device: the
+/// tensor cores multiply activations rounded to BF16 (the CPU keeps them f32), about 2⁻⁹ of each
+/// product's inputs, over a random model whose logits are O(1). The goldens' own tolerances
+/// against their references are 3e-3 to 1.3e-2.
+const MODEL_TOLERANCE: f32 = 2e-2;
+
+/// The whole model on the device (`GpuBackend`: each op staged through device memory, the ops
+/// without a device path on the CPU) against the CPU backend: a random K3.1 model of the embedded
+/// size (indexer, MXFP4 experts), a 12-token prefill with every position's logits, then 6 decode
+/// steps on the CPU's greedy tokens. Prints the worst |Δ logits| and whether greedy tokens agree.
+fn model_check(dev: Arc<dyn GpuDevice>) -> Result<bool> {
+    let dir = std::env::temp_dir().join(format!("kimi-device-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    make_tiny(&dir, &TinyOptions { seed: 0x4b33, k31: true, mxfp4: true, vision: false })
+        .context("writing the random check model")?;
+    let result = (|| -> Result<(f32, usize, usize)> {
+        let cpu = Model::load(&dir)?;
+        let gpu = Model::load(&dir)?.with_backend(Arc::new(GpuBackend::new(dev)));
+        let vocab = cpu.text_config().vocab_size;
+        let prompt: Vec<u32> = (0..12u32).map(|i| (i * 7919 + 11) % vocab as u32).collect();
+        let (mut sc, mut sg) = (cpu.new_state(), gpu.new_state());
+        let want = cpu.forward(&prompt, &mut sc, LogitsFor::AllTokens, None)?;
+        let got = gpu.forward(&prompt, &mut sg, LogitsFor::AllTokens, None)?;
+        let mut worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
+        let (mut agree, mut steps) = (0, 0);
+        let mut next = kimi_kernels::cpu::reduce::argmax(&want[want.len() - vocab..]).0;
+        for _ in 0..6 {
+            let want = cpu.forward(&[next], &mut sc, LogitsFor::AllTokens, None)?;
+            let got = gpu.forward(&[next], &mut sg, LogitsFor::AllTokens, None)?;
+            worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(worst, f32::max);
+            let (wi, gi) = (kimi_kernels::cpu::reduce::argmax(&want).0, kimi_kernels::cpu::reduce::argmax(&got).0);
+            agree += (wi == gi) as usize;
+            steps += 1;
+            next = wi;
+        }
+        Ok((worst, agree, steps))
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    let (worst, agree, steps) = result?;
+    let ok = worst <= MODEL_TOLERANCE && !worst.is_nan();
+    println!(
+        "{} model (random K3.1, MXFP4 experts) through GpuBackend: 12-token prefill + {steps} decode steps, worst |Δ logits| {worst:.2e} (bound {MODEL_TOLERANCE:.0e}); greedy tokens agree {agree}/{steps}",
+        if ok { "ok  " } else { "FAIL" }
+    );
+    Ok(ok)
 }
 
-impl KdaDecode {
+/// One KDA decode step's device buffers (q, k, v and z, β logits, the per-head constants, the slot
+/// table of the states, the output).
+struct KdaDecode<'d> {
+    inputs: Vec<GpuBuffer<'d, f32>>,
+    table: GpuBuffer<'d, u64>,
+    out: GpuBuffer<'d, f32>,
+}
+
+impl<'d> KdaDecode<'d> {
     fn upload(
-        k: &CudaKernels,
+        k: &'d dyn GpuDevice,
         qkvz: [&[f32]; 4],
         beta: &[f32],
         a_exp: &[f32],
         dt_bias: &[f32],
-        states: &[DeviceBuffer<f32>],
-    ) -> Result<KdaDecode> {
-        let inputs =
-            qkvz.iter().chain([&beta, &a_exp, &dt_bias]).map(|x| k.upload(x)).collect::<Result<Vec<_>, _>>()?;
-        let table = k.upload(&states.iter().map(|s| k.addr(s)).collect::<Vec<u64>>())?;
-        let out = k.zeros::<f32>(qkvz[0].len())?;
+        states: &[GpuBuffer<'d, f32>],
+    ) -> Result<KdaDecode<'d>> {
+        let inputs = qkvz
+            .iter()
+            .chain([&beta, &a_exp, &dt_bias])
+            .map(|x| GpuBuffer::upload(k, x))
+            .collect::<Result<Vec<_>, _>>()?;
+        let table = GpuBuffer::upload(k, &states.iter().map(|s| s.addr()).collect::<Vec<u64>>())?;
+        let out = GpuBuffer::<f32>::zeros(k, qkvz[0].len())?;
         Ok(KdaDecode { inputs, table, out })
     }
 
-    fn params(&self, k: &CudaKernels, seqs: usize, heads: usize, dim: usize) -> KdaDecodeParams {
-        let at = |i: usize| k.addr(&self.inputs[i]);
+    fn params(&self, seqs: usize, heads: usize, dim: usize) -> KdaDecodeParams {
+        let at = |i: usize| self.inputs[i].addr();
         KdaDecodeParams {
             q: at(0),
             k: at(1),
@@ -276,8 +347,8 @@ impl KdaDecode {
             beta_logits: at(4),
             a_exp: at(5),
             dt_bias: at(6),
-            slots: k.addr(&self.table),
-            out: k.addr(&self.out),
+            slots: self.table.addr(),
+            out: self.out.addr(),
             seqs: seqs as u32,
             heads: heads as u32,
             dim: dim as u32,
@@ -295,43 +366,43 @@ fn mxfp4(seed: u64, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
 
 /// The arguments of `matmul_bf16` / `matmul_mxfp4`: x, the weight's buffers, y, then M, N, K and
 /// the row strides of x and y (contiguous rows).
-fn matmul_args(x: u64, weight: &[u64], y: u64, m: usize, n: usize, k: usize) -> Vec<TritonArg> {
-    let mut args = vec![TritonArg::Ptr(x)];
-    args.extend(weight.iter().map(|&w| TritonArg::Ptr(w)));
-    args.push(TritonArg::Ptr(y));
-    args.extend([m, n, k, k, n].map(|v| TritonArg::I32(v as i32)));
+fn matmul_args(x: u64, weight: &[u64], y: u64, m: usize, n: usize, k: usize) -> Vec<KernelArg<'static>> {
+    let mut args = vec![KernelArg::Ptr(x)];
+    args.extend(weight.iter().map(|&w| KernelArg::Ptr(w)));
+    args.push(KernelArg::Ptr(y));
+    args.extend([m, n, k, k, n].map(|v| KernelArg::I32(v as i32)));
     args
 }
 
-fn triton_checks(k: &CudaKernels) -> Result<bool> {
+fn triton_checks(k: &dyn GpuDevice) -> Result<bool> {
     let mut ok = true;
     let (m, n, kd) = (3usize, 1000usize, 512usize);
     let x = values(40, m * kd, 1.0);
     let xr: Vec<f32> = widen(&bf16(&x));
-    let dx = k.upload(&x)?;
+    let dx = GpuBuffer::upload(k, &x)?;
     // BF16.
     let w = bf16(&values(41, n * kd, 1.0));
     let mut want = vec![0f32; m * n];
     CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&w, n, kd)), &xr, m, &mut want);
-    let (dw, dy) = (k.upload(&w)?, k.zeros::<f32>(m * n)?);
-    let args = matmul_args(k.addr(&dx), &[k.addr(&dw)], k.addr(&dy), m, n, kd);
+    let (dw, dy) = (GpuBuffer::upload(k, &w)?, GpuBuffer::<f32>::zeros(k, m * n)?);
+    let args = matmul_args(dx.addr(), &[dw.addr()], dy.addr(), m, n, kd);
     // SAFETY: the buffers hold the sizes in the arguments and live until the stream has run.
-    unsafe { k.launch_triton("triton_matmul_bf16", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
-    ok &= report("triton_matmul_bf16", &k.download(&dy)?, &want, 1e-4);
+    unsafe { launch_triton(k, "triton_matmul_bf16", (1, n.div_ceil(64) as u32, 1), &args)? };
+    ok &= report("triton_matmul_bf16", &dy.download()?, &want, 1e-4);
     // MXFP4.
     let (q, s) = mxfp4(42, n, kd);
     let mut want = vec![0f32; m * n];
     CpuBackend.matmul(&Matrix::Mxfp4(Mxfp4Matrix::new(&q, &s, n, kd)), &xr, m, &mut want);
-    let (dq, ds, dy) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(m * n)?);
-    let args = matmul_args(k.addr(&dx), &[k.addr(&dq), k.addr(&ds)], k.addr(&dy), m, n, kd);
+    let (dq, ds, dy) = (GpuBuffer::upload(k, &q)?, GpuBuffer::upload(k, &s)?, GpuBuffer::<f32>::zeros(k, m * n)?);
+    let args = matmul_args(dx.addr(), &[dq.addr(), ds.addr()], dy.addr(), m, n, kd);
     // SAFETY: as above.
-    unsafe { k.launch_triton("triton_matmul_mxfp4", (1, n.div_ceil(64) as u32, 1), 4, &args)? };
-    ok &= report("triton_matmul_mxfp4", &k.download(&dy)?, &want, 1e-4);
+    unsafe { launch_triton(k, "triton_matmul_mxfp4", (1, n.div_ceil(64) as u32, 1), &args)? };
+    ok &= report("triton_matmul_mxfp4", &dy.download()?, &want, 1e-4);
     Ok(ok)
 }
 
 /// Times `f` (launches on the stream) over `reps` runs after one warm-up: seconds a run.
-fn time(k: &CudaKernels, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+fn time(k: &dyn GpuDevice, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     k.synchronize()?;
     let t = Instant::now();
@@ -342,41 +413,46 @@ fn time(k: &CudaKernels, reps: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     Ok(t.elapsed().as_secs_f64() / reps as f64)
 }
 
-fn bandwidth(k: &CudaKernels) -> Result<()> {
+fn bandwidth(k: &dyn GpuDevice) -> Result<()> {
     let reps = 20;
+    let hbm = hbm_gbs(k);
     let line = |name: &str, bytes: f64, secs: f64| {
         let gbs = bytes / secs / 1e9;
-        println!("{name}: {:.1} µs, {gbs:.0} GB/s = {:.2} of HBM ({HBM_GBS:.0} GB/s)", secs * 1e6, gbs / HBM_GBS);
+        match hbm {
+            Some(h) => println!("{name}: {:.1} µs, {gbs:.0} GB/s = {:.2} of HBM ({h:.0} GB/s)", secs * 1e6, gbs / h),
+            None => println!("{name}: {:.1} µs, {gbs:.0} GB/s (HBM bandwidth of this device unknown)", secs * 1e6),
+        }
     };
     // GEMV (one token) over an 8192 × 8192 BF16 matrix and a 16384 × 8192 MXFP4 one.
     let kd = 8192usize;
-    let x = k.upload(&values(50, kd, 1.0))?;
+    let x = GpuBuffer::upload(k, &values(50, kd, 1.0))?;
     let n = 8192usize;
-    let w = k.upload(&bf16(&values(51, n * kd, 1.0)))?;
-    let y = k.zeros::<f32>(n)?;
-    let args = matmul_args(k.addr(&x), &[k.addr(&w)], k.addr(&y), 1, n, kd);
+    let w = GpuBuffer::upload(k, &bf16(&values(51, n * kd, 1.0)))?;
+    let y = GpuBuffer::<f32>::zeros(k, n)?;
+    let args = matmul_args(x.addr(), &[w.addr()], y.addr(), 1, n, kd);
     // SAFETY: the buffers hold the sizes in the arguments and outlive the timed launches.
     let secs =
-        time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_bf16", (1, (n / 64) as u32, 1), 4, &args)?) })?;
+        time(k, reps, || unsafe { Ok(launch_triton(k, "triton_matmul_bf16", (1, (n / 64) as u32, 1), &args)?) })?;
     line("GEMV BF16 8192×8192", (n * kd * 2) as f64, secs);
     let n = 16384usize;
     let (q, s) = mxfp4(52, n, kd);
-    let (dq, ds, y) = (k.upload(&q)?, k.upload(&s)?, k.zeros::<f32>(n)?);
-    let args = matmul_args(k.addr(&x), &[k.addr(&dq), k.addr(&ds)], k.addr(&y), 1, n, kd);
+    let (dq, ds, y) = (GpuBuffer::upload(k, &q)?, GpuBuffer::upload(k, &s)?, GpuBuffer::<f32>::zeros(k, n)?);
+    let args = matmul_args(x.addr(), &[dq.addr(), ds.addr()], y.addr(), 1, n, kd);
     // SAFETY: as above.
     let secs =
-        time(k, reps, || unsafe { Ok(k.launch_triton("triton_matmul_mxfp4", (1, (n / 64) as u32, 1), 4, &args)?) })?;
+        time(k, reps, || unsafe { Ok(launch_triton(k, "triton_matmul_mxfp4", (1, (n / 64) as u32, 1), &args)?) })?;
     line("GEMV MXFP4 16384×8192", (q.len() + s.len()) as f64, secs);
     // KDA decode: 64 sequences × 32 heads of 128 (128 MiB of f32 state read and written).
     let (seqs, heads, dim) = (64usize, 32usize, 128usize);
     let width = heads * dim;
     let inputs: Vec<Vec<f32>> = (0..4).map(|i| values(60 + i, seqs * width, 1.0)).collect();
-    let states: Vec<_> = (0..seqs).map(|_| k.zeros::<f32>(heads * dim * dim)).collect::<Result<_, _>>()?;
+    let states: Vec<_> = (0..seqs).map(|_| GpuBuffer::<f32>::zeros(k, heads * dim * dim)).collect::<Result<_, _>>()?;
     let (beta, a_exp, dt) = (values(64, seqs * heads, 1.0), vec![1.0f32; heads], vec![0.0f32; width]);
     let d = KdaDecode::upload(k, [&inputs[0], &inputs[1], &inputs[2], &inputs[3]], &beta, &a_exp, &dt, &states)?;
-    let p = d.params(k, seqs, heads, dim);
+    let p = d.params(seqs, heads, dim);
     // SAFETY: as above.
-    let secs = time(k, reps, || unsafe { Ok(k.launch_kpl("kpl_kda_decode_f32", (seqs * heads) as u32, 32, &p)?) })?;
+    let secs =
+        time(k, reps, || unsafe { Ok(launch_kpl(k, "kpl_kda_decode_f32", (seqs * heads) as u32, k.wave(), &p)?) })?;
     line("KDA decode 64 seq × 32 heads × 128²", (2 * seqs * heads * dim * dim * 4) as f64, secs);
     Ok(())
 }

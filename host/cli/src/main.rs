@@ -330,7 +330,7 @@ enum KernelsCommand {
         /// Where `scripts/build-gpu-kernels.sh` wrote the kernels and their manifest.
         #[arg(long, default_value = "target/gpu-kernels")]
         kernels: PathBuf,
-        /// cuda (hip: its launcher is not built yet).
+        /// cuda or hip.
         #[arg(long, default_value = "cuda")]
         backend: String,
     },
@@ -597,15 +597,23 @@ fn main() -> Result<()> {
             let m = kimi_kernels::gpu::manifest::Manifest::parse(&text).map_err(anyhow::Error::msg)?;
             print!("{m}");
         }
-        Command::Kernels(KernelsCommand::Check { kernels, backend }) => match backend.as_str() {
-            "cuda" => {
-                // The probe's message names what was looked for when there is no driver or device.
-                kimi_kernels::gpu::runtime::probe_cuda()?;
-                kimi_host_cli::device_check::run(&kernels)?;
-            }
-            "hip" => bail!("kernels check: the HIP launcher is not built yet (use --backend cuda)"),
-            other => bail!("kernels check: unknown backend `{other}` (cuda)"),
-        },
+        Command::Kernels(KernelsCommand::Check { kernels, backend }) => {
+            use kimi_kernels::gpu::device::GpuDevice;
+            let loading = || format!("loading the kernels of {}", kernels.display());
+            // The probes' messages name what was looked for when there is no runtime or device.
+            let dev: std::sync::Arc<dyn GpuDevice> = match backend.as_str() {
+                "cuda" => {
+                    kimi_kernels::gpu::runtime::probe_cuda()?;
+                    std::sync::Arc::new(kimi_kernels::gpu::cuda::CudaKernels::open(&kernels, 0).with_context(loading)?)
+                }
+                "hip" => {
+                    kimi_kernels::gpu::runtime::probe_hip()?;
+                    std::sync::Arc::new(kimi_kernels::gpu::hip::HipKernels::open(&kernels, 0).with_context(loading)?)
+                }
+                other => bail!("kernels check: unknown backend `{other}` (cuda, hip)"),
+            };
+            kimi_host_cli::device_check::run(dev)?;
+        }
         Command::Plan {
             model_dir,
             gpus,

@@ -103,6 +103,8 @@ fn every_kernel_compiles_for_gfx950_gfx942_and_sm_90() {
                 .unwrap_or_else(|| panic!("{name} was not built for {arch}"));
             assert_eq!(k.source, "triton");
             assert!(k.signature.as_ref().is_some_and(|s| s.starts_with('*')), "{name}: signature");
+            // The launchers size the block from it (num_warps × the wave).
+            assert!(k.num_warps.is_some_and(|w| (1..=16).contains(&w)), "{name}: num_warps {:?}", k.num_warps);
             let bin = std::fs::read(out.join(&k.file)).expect("artifact");
             assert_eq!(&bin[..4], b"\x7fELF", "{}", k.file);
             assert_eq!(u16::from_le_bytes([bin[18], bin[19]]), machine, "{}: ELF machine", k.file);

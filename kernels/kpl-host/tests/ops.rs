@@ -182,7 +182,7 @@ fn embedding_gathers_bf16_rows_like_the_cpu_backend() {
 #[test]
 fn kda_decode_updates_each_slot_like_the_cpu_backend() {
     use kimi_kernels::{KdaInputs, KdaParams, SeqSpan};
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let mut rng = StdRng::seed_from_u64(5);
     // Three sequences decoding one token each; head_dim 40 (not a multiple of the wave).
     let (seqs, heads, dim) = (3usize, 2usize, 40usize);
@@ -211,7 +211,7 @@ fn kda_decode_updates_each_slot_like_the_cpu_backend() {
         let mut got = vec![f32::NAN; seqs * width];
         {
             let mut slots: Vec<KdaSlot<'_>> = got_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
-            KplHostBackend::new(wave).kda_recurrence(&p, &x, &spans, &mut slots, &mut got);
+            host_backend(wave).kda_recurrence(&p, &x, &spans, &mut slots, &mut got);
         }
         close(&got, &want, 1e-5, &format!("kda decode output, wave {wave}"));
         for (g, w) in got_states.iter().zip(&want_states) {
@@ -222,7 +222,7 @@ fn kda_decode_updates_each_slot_like_the_cpu_backend() {
 
 #[test]
 fn attn_res_mix_matches_the_cpu_backend() {
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let mut rng = StdRng::seed_from_u64(6);
     let (tokens, dim) = (5usize, 130usize);
     for n in [1usize, 3, 9] {
@@ -233,7 +233,7 @@ fn attn_res_mix_matches_the_cpu_backend() {
         CpuBackend.attn_res_mix(&query, 1e-6, &refs, &mut want);
         for wave in WAVES {
             let mut got = vec![f32::NAN; tokens * dim];
-            KplHostBackend::new(wave).attn_res_mix(&query, 1e-6, &refs, &mut got);
+            host_backend(wave).attn_res_mix(&query, 1e-6, &refs, &mut got);
             close(&got, &want, 1e-5, &format!("attn_res {n} candidates wave {wave}"));
         }
     }
@@ -242,7 +242,7 @@ fn attn_res_mix_matches_the_cpu_backend() {
 #[test]
 fn moe_route_selects_and_weighs_like_the_cpu_backend() {
     use kimi_kernels::RouterParams;
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let mut rng = StdRng::seed_from_u64(7);
     for (experts, top_k, tokens) in [(16usize, 4usize, 3usize), (896, 16, 2), (8, 8, 2), (100, 1, 4)] {
         let mut logits = randn(&mut rng, tokens * experts, 3.0);
@@ -253,7 +253,7 @@ fn moe_route_selects_and_weighs_like_the_cpu_backend() {
             let p = RouterParams { bias: &bias, top_k, renormalize, scaling: 2.5 };
             let want = CpuBackend.moe_route(&logits, tokens, &p);
             for wave in WAVES {
-                let got = KplHostBackend::new(wave).moe_route(&logits, tokens, &p);
+                let got = host_backend(wave).moe_route(&logits, tokens, &p);
                 let what = format!("route E {experts} k {top_k} wave {wave}");
                 assert_eq!(got.ids, want.ids, "{what}: ids");
                 close(&got.scores, &want.scores, 1e-6, &format!("{what}: scores"));
@@ -269,7 +269,7 @@ fn moe_route_selects_and_weighs_like_the_cpu_backend() {
 #[test]
 fn kda_conv_continues_each_sequence_like_the_cpu_backend() {
     use kimi_kernels::SeqSpan;
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let mut rng = StdRng::seed_from_u64(8);
     // A prefill chunk of 5 rows, a decode row and an empty sequence; 70 channels, kernel 4.
     let (channels, kernel) = (70usize, 4usize);
@@ -290,7 +290,7 @@ fn kda_conv_continues_each_sequence_like_the_cpu_backend() {
         let (mut got, mut got_frames) = (x.clone(), frames.clone());
         {
             let mut f: Vec<&mut [f32]> = got_frames.iter_mut().map(|f| f.as_mut_slice()).collect();
-            KplHostBackend::new(wave).kda_conv(&mut got, &spans, &mut f, &taps, kernel);
+            host_backend(wave).kda_conv(&mut got, &spans, &mut f, &taps, kernel);
         }
         close(&got, &want, 1e-5, &format!("kda conv rows, wave {wave}"));
         for (g, w) in got_frames.iter().zip(&want_frames) {
@@ -300,15 +300,15 @@ fn kda_conv_continues_each_sequence_like_the_cpu_backend() {
 }
 
 /// SwiGLU, GELU (both forms) and the table-driven RoPE (whole heads, and the interleaved rope
-/// lanes of the DSpark draft with host-built tables), through `KplHostBackend`, against the CPU
-/// backend at both waves.
+/// lanes of the DSpark draft with host-built tables), through the GPU backend over the host build
+/// (`host_backend`), against the CPU backend at both waves.
 #[test]
 fn glu_gelu_and_rope_match_the_cpu_backend() {
     use kimi_kernels::Gelu;
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let mut rng = StdRng::seed_from_u64(11);
     for wave in WAVES {
-        let kb = KplHostBackend::new(wave);
+        let kb = host_backend(wave);
         let n = 1001;
         let (gate, up) = (randn(&mut rng, n, 8.0), randn(&mut rng, n, 3.0));
         let (mut got, mut want) = (gate.clone(), gate.clone());

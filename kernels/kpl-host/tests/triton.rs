@@ -519,19 +519,30 @@ fn attention_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     });
 }
 
+/// The tools' Python, installed once for every test here (they run in parallel); `None` (the test
+/// skips, saying why) when the machine cannot install them.
+fn tools_python() -> Option<String> {
+    static PYTHON: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
+            if !tools.status.success() {
+                let err = String::from_utf8_lossy(&tools.stderr);
+                // 75: the tools could not be installed (no PyPI, a full disk), the machine's fault.
+                if tools.status.code() == Some(75) {
+                    eprintln!("SKIPPED: the GPU tools' venv (triton, numpy) could not be installed:\n{err}");
+                    return None;
+                }
+                panic!("scripts/gpu-tools.sh failed:\n{err}");
+            }
+            Some(String::from_utf8_lossy(&tools.stdout).trim().to_string())
+        })
+        .clone()
+}
+
 #[test]
 fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
-    let tools = Command::new("bash").arg(root().join("scripts/gpu-tools.sh")).output().expect("bash");
-    if !tools.status.success() {
-        let err = String::from_utf8_lossy(&tools.stderr);
-        // 75: the tools could not be installed (no PyPI, a full disk), the machine's fault.
-        if tools.status.code() == Some(75) {
-            eprintln!("SKIPPED: the GPU tools' venv (triton, numpy) could not be installed:\n{err}");
-            return;
-        }
-        panic!("scripts/gpu-tools.sh failed:\n{err}");
-    }
-    let python = String::from_utf8_lossy(&tools.stdout).trim().to_string();
+    let Some(python) = tools_python() else { return };
     let dir = root().join("target/triton-cases");
     let _ = std::fs::remove_dir_all(&dir);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -574,4 +585,90 @@ fn triton_kernels_match_the_cpu_backend_in_the_interpreter() {
         String::from_utf8_lossy(&run.stderr)
     );
     assert!(stdout.contains(&format!("{n} of {n} Triton cases match", n = cases.len())), "{stdout}");
+}
+
+/// The GPU backend's own Triton launches — its argument lists, strides, grids and resident
+/// weights, as a GPU would receive them — replayed in the interpreter (`HostDevice::with_triton`),
+/// against the CPU backend: BF16 and MXFP4 products with partial tiles in every dimension and
+/// several K steps, MXFP4 scale bytes 0, 254 and 255 (NaN), each weight multiplied twice (the
+/// second time from its resident copy).
+#[test]
+fn gpu_backend_triton_launches_match_the_cpu_backend_in_the_interpreter() {
+    use kimi_kernels::gpu::backend::GpuBackend;
+    let Some(python) = tools_python() else { return };
+    let dev = std::sync::Arc::new(kimi_kpl_host::HostDevice::with_triton(64, Path::new(&python)).expect("signatures"));
+    let be = GpuBackend::new(dev.clone());
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let check = |name: &str, w: &Matrix<'_>, x: &[f32], m: usize| {
+        let n = w.rows();
+        // The tensor cores take activations rounded to BF16; so does the reference here.
+        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        let mut want = vec![0f32; m * n];
+        CpuBackend.matmul(w, &xr, m, &mut want);
+        for round in 0..2 {
+            let mut got = vec![f32::NAN; m * n];
+            be.matmul(w, x, m, &mut got);
+            // A NaN scale (E8M0 255) makes its row NaN on both sides; every other value is finite.
+            assert!(got.iter().zip(&want).all(|(g, w)| g.is_nan() == w.is_nan()), "{name}, round {round}: NaNs");
+            assert!(got.iter().all(|g| g.is_nan() || g.is_finite()), "{name}, round {round}: infinities");
+            let worst = got
+                .iter()
+                .zip(&want)
+                .filter(|(_, w)| !w.is_nan())
+                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-5, "{name}, round {round}: |Δ| {worst}");
+        }
+    };
+    let (m, n, k) = (19usize, 70usize, 160usize);
+    let w: Vec<u16> = rng.vec(n * k).into_iter().map(f32_to_bf16_bits).collect();
+    check("BF16 19×70×160", &Matrix::Bf16(Bf16Matrix::new(&w, n, k)), &rng.vec(m * k), m);
+    let (m, n, k) = (5usize, 67usize, 288usize);
+    let (q, sc) = mxfp4_matrix(&mut rng, n, k, true);
+    check("MXFP4 5×67×288", &Matrix::Mxfp4(Mxfp4Matrix::new(&q, &sc, n, k)), &rng.vec(m * k), m);
+    // Only the three weight buffers stay on the "device"; the staging was freed.
+    let resident = [w.len() * 2, q.len(), sc.len()].iter().map(|b| b.div_ceil(8) * 8).sum::<usize>();
+    assert_eq!(dev.allocated(), resident);
+}
+
+/// The GPU backend's MLA attention on `triton_mla_decode`, its page arena and table staged from
+/// the sequences' pages, replayed in the interpreter against the CPU backend: two sequences, one
+/// with a hole (a page another context-parallel rank holds), ragged heads, a token whose only
+/// page is the hole (zero context, −∞ log-sum-exp).
+#[test]
+fn gpu_backend_mla_attention_matches_the_cpu_backend_in_the_interpreter() {
+    use kimi_kernels::PagedRows;
+    use kimi_kernels::gpu::backend::GpuBackend;
+    let Some(python) = tools_python() else { return };
+    let dev = std::sync::Arc::new(kimi_kpl_host::HostDevice::with_triton(64, Path::new(&python)).expect("signatures"));
+    let be = GpuBackend::new(dev.clone());
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let (heads, rank, rope, page_tokens) = (3usize, 40usize, 8usize, 16usize);
+    let width = rank + rope;
+    let pages0: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(page_tokens * width)).collect();
+    let page1 = rng.vec(page_tokens * width);
+    let caches = [
+        PagedRows { pages: pages0.iter().map(|p| &p[..]).collect(), page_tokens, width },
+        PagedRows { pages: vec![&[][..], &page1[..]], page_tokens, width },
+    ];
+    let rows = [(0usize, 35usize), (1, 20), (0, 47), (1, 5), (0, 0)];
+    let q = rng.vec(rows.len() * heads * width);
+    let scale = 1.0 / (width as f32).sqrt();
+    let (mut want, mut want_lse) = (vec![0f32; rows.len() * heads * rank], vec![0f32; rows.len() * heads]);
+    CpuBackend.mla_attention(&q, heads, rank, scale, &rows, &caches, None, &mut want, Some(&mut want_lse));
+    let (mut got, mut got_lse) = (vec![f32::NAN; want.len()], vec![f32::NAN; want_lse.len()]);
+    be.mla_attention(&q, heads, rank, scale, &rows, &caches, None, &mut got, Some(&mut got_lse));
+    let close = |g: &[f32], w: &[f32], what: &str| {
+        for (i, (g, w)) in g.iter().zip(w).enumerate() {
+            assert!(g == w || (g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
+        }
+    };
+    close(&got, &want, "ctx");
+    close(&got_lse, &want_lse, "lse");
+    assert!(want_lse[3 * heads..4 * heads].iter().all(|l| *l == f32::NEG_INFINITY), "the hole-only token");
+    // Without the log-sum-exp output too (the usual, single-rank call).
+    let mut got = vec![f32::NAN; want.len()];
+    be.mla_attention(&q, heads, rank, scale, &rows, &caches, None, &mut got, None);
+    close(&got, &want, "ctx without lse");
+    assert_eq!(dev.allocated(), 0, "the staging was freed");
 }

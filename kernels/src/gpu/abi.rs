@@ -1,10 +1,11 @@
 //! `#[repr(C)]` mirrors of `kernels/include/kpl/abi.h`, one per kernel entry point. Device
 //! pointers are `u64` here (a device address is not a host pointer); the host-mode build passes
-//! host addresses through the same fields. `kimi-kpl-host` checks every size against the C side.
+//! host addresses through the same fields. `kimi-kpl-host` checks every size against the C side;
+//! deriving `Pod` checks at compile time that no struct has implicit padding.
 
 /// `kpl_rmsnorm_f32`: one block per row.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RmsnormParams {
     pub x: u64,
     pub w: u64,
@@ -17,7 +18,7 @@ pub struct RmsnormParams {
 
 /// `kpl_gated_rmsnorm_f32`: one block per (row, head) group of `dim` values.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GatedRmsnormParams {
     pub o: u64,
     pub gate: u64,
@@ -31,7 +32,7 @@ pub struct GatedRmsnormParams {
 
 /// `kpl_situ_glu_f32`: grid-stride over `n` values, in place over `gate`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct SituParams {
     pub gate: u64,
     pub up: u64,
@@ -43,7 +44,7 @@ pub struct SituParams {
 
 /// `kpl_silu_glu_f32`: grid-stride over `n` values, in place over `gate`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GluParams {
     pub gate: u64,
     pub up: u64,
@@ -53,7 +54,7 @@ pub struct GluParams {
 
 /// `kpl_gelu_f32`: grid-stride over `n` values in place; `erf` 1 for the exact form.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GeluParams {
     pub x: u64,
     pub n: u32,
@@ -62,7 +63,7 @@ pub struct GeluParams {
 
 /// `kpl_rope_table_f32`: grid-stride over `rows · heads · pairs` lane pairs.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RopeTableParams {
     pub x: u64,
     pub cos: u64,
@@ -77,7 +78,7 @@ pub struct RopeTableParams {
 
 /// `kpl_embedding_bf16`: grid-stride over `tokens · cols` values.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct EmbeddingParams {
     pub table: u64,
     pub ids: u64,
@@ -89,7 +90,7 @@ pub struct EmbeddingParams {
 /// `kpl_kda_decode_f32`: one block per (sequence, head); `slots` is a device array of each
 /// sequence's state address (the slot table).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct KdaDecodeParams {
     pub q: u64,
     pub k: u64,
@@ -111,7 +112,7 @@ pub struct KdaDecodeParams {
 /// `kpl_attn_res_mix_f32`: one block per token; `cands` is a device table of `n_cands` (≤ 32)
 /// block addresses.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AttnResParams {
     pub query: u64,
     pub cands: u64,
@@ -124,7 +125,7 @@ pub struct AttnResParams {
 
 /// `kpl_moe_route_f32`: one block per token; `ids` are u32 expert ids, `[tokens, top_k]`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct MoeRouteParams {
     pub logits: u64,
     pub bias: u64,
@@ -143,7 +144,7 @@ pub struct MoeRouteParams {
 /// `kpl_kda_conv_f32`: grid `seqs × ceil(channels / block)`; `starts` / `lens` are u32 per
 /// sequence and `frames` a device table of each sequence's window.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct KdaConvParams {
     pub x: u64,
     pub taps: u64,
@@ -158,7 +159,7 @@ pub struct KdaConvParams {
 
 /// `kpl_mma_gemm_bf16`: `c = a · bᵀ` on the matrix cores, a wave per output tile.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct MmaGemmParams {
     pub a: u64,
     pub b: u64,
@@ -171,7 +172,7 @@ pub struct MmaGemmParams {
 
 /// `kpl_topk_select_f32`: per row of `n` scores, the top `k` positions (ascending) and their count.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct TopkParams {
     pub scores: u64,
     pub out: u64,
@@ -184,7 +185,7 @@ pub struct TopkParams {
 
 /// `kpl_logits_stats_f32`: per row, max, argmax (lowest index) and log-sum-exp at a temperature.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct LogitsStatsParams {
     pub logits: u64,
     pub max: u64,
@@ -198,7 +199,7 @@ pub struct LogitsStatsParams {
 
 /// `kpl_fp8_quantize_f32`: per token row, the ptpc_fp8 scale and the E4M3 codes of x / scale.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Fp8QuantizeParams {
     pub x: u64,
     pub codes: u64,

@@ -37,6 +37,9 @@ pub struct KernelEntry {
     /// `params_size` is 0).
     #[serde(default)]
     pub signature: Option<String>,
+    /// A Triton kernel's warps (waves) a program: its launch block is `num_warps × wave`.
+    #[serde(default)]
+    pub num_warps: Option<u32>,
 }
 
 impl Manifest {

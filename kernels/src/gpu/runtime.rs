@@ -54,7 +54,7 @@ impl fmt::Display for Api {
     }
 }
 
-const HIP_LIBS: [&str; 4] = ["libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"];
+pub const HIP_LIBS: [&str; 4] = ["libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"];
 const CUDA_LIBS: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
 /// RCCL first on AMD machines, NCCL on NVIDIA ones; both speak the NCCL API.
 pub const COLLECTIVE_LIBS: [&str; 4] = ["librccl.so.1", "librccl.so", "libnccl.so.2", "libnccl.so"];
@@ -78,7 +78,7 @@ pub enum DeviceError {
     #[error("--backend: {api}: {library} loaded, but it sees no device (run with --backend cpu)")]
     NoDevice { api: Api, library: String },
     #[error(
-        "{api}: {devices} device(s) through {library}, but the {api} backend cannot run the model yet (its kernels are built and checked, their launcher is not written); run with --backend cpu"
+        "{api}: {devices} device(s) through {library}, but serving on the {api} backend is not wired yet (its launcher and the staged GPU backend run in `kimi-host kernels check`); run with --backend cpu"
     )]
     NotBuilt { api: Api, library: String, devices: i32 },
 }

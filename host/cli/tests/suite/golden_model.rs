@@ -239,19 +239,19 @@ fn k31_tiny_indexer_matches_release() {
 
 /// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model,
 /// on every golden model: the 7-token traced prefill (every traced tensor and the logits) and the
-/// cached decode steps (logits, states after decode) run on `KplHostBackend` — RMSNorm, KDA's
-/// gated norm, SiTU, AttnRes, the embedding and the KDA decode step on the kernels — at AMD's
-/// wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
+/// cached decode steps (logits, states after decode) run on the GPU backend over the host build
+/// (`host_backend`: every op staged through "device" memory as on a GPU) — RMSNorm, KDA's gated
+/// norm, SiTU, AttnRes, the embedding, the router, KDA's convolution and decode step on the
+/// kernels — at AMD's wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
 /// each GPU thread is an OS thread here, so long prefills through the kernels would take minutes.
 #[test]
 fn goldens_pass_through_the_host_built_gpu_kernels() {
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     for (name, wave) in [("k3-tiny", 64), ("k3-tiny-mxfp4", 64), ("k31-tiny-indexer", 64), ("k3-tiny-mxfp4", 32)] {
         let g = Golden::open(name);
         let cpu = Model::load(&g.dir).expect("golden model loads");
-        let gpu = Model::load(&g.dir)
-            .expect("golden model loads")
-            .with_backend(std::sync::Arc::new(KplHostBackend::new(wave)));
+        let gpu =
+            Model::load(&g.dir).expect("golden model loads").with_backend(std::sync::Arc::new(host_backend(wave)));
         let cfg = cpu.text_config().clone();
         let (tol_l, tol_s) = (g.tol_logits(), g.tol_state());
         let mut ck = Checker { g: &g, checked: BTreeSet::new(), worst_logits: 0.0, worst_state: 0.0 };

@@ -290,20 +290,20 @@ fn expert_parallel_places_whole_experts_and_equals_one_rank() {
     }
 }
 
-/// TP = 2 with the GPU kernels (`kernels/ops/*.cu` built for the host, `KplHostBackend`) on both
-/// CPU ranks equals TP = 1 on the CPU backend: prefill and decode logits within the bound above,
+/// TP = 2 with the GPU kernels (`kernels/ops/*.cu` built for the host, the GPU backend over it:
+/// `host_backend`) on both CPU ranks equals TP = 1 on the CPU backend: prefill and decode logits within the bound above,
 /// the same greedy tokens and (K3.1) the same indexer selections — at AMD's wave 64 and NVIDIA's
 /// wave 32. The prompt is the golden's 7-token trace (each GPU thread is an OS thread here).
 #[test]
 fn tensor_parallel_2_through_the_host_built_gpu_kernels_equals_one_rank() {
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     for (name, wave) in [("k3-tiny-mxfp4", 64), ("k31-tiny-indexer", 32)] {
         let g = Golden::open(name);
         let prompt = g.ids("trace.len7.input_ids");
         let one = Model::load(&g.dir).expect("model loads");
         let two = Model::load_with(&g.dir, Parallelism::tensor(2))
             .expect("model loads on 2 ranks")
-            .with_backend(std::sync::Arc::new(KplHostBackend::new(wave)));
+            .with_backend(std::sync::Arc::new(host_backend(wave)));
         assert_eq!(two.ranks().len(), 2);
         let layers = one.text_config().num_layers;
         let (p1, d1, t1, g1) = run(&one, &prompt, 4);

@@ -24,7 +24,16 @@ fn python() -> Option<PathBuf> {
     if !marker.exists() {
         run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv));
         let mut pip = Command::new(&py);
-        pip.args(["-m", "pip", "install", "--quiet", "--no-cache-dir", "openai==1.109.1", "httpx==0.28.1", "jsonschema==4.23.0"]);
+        pip.args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-cache-dir",
+            "openai==1.109.1",
+            "httpx==0.28.1",
+            "jsonschema==4.23.0",
+        ]);
         if !common::pip_install_or_skip("the openai client suite", &mut pip) {
             return None;
         }

@@ -140,12 +140,12 @@ fn release_preprocessing_matches_vision_preproc_on_all_sizes() {
     }
 }
 
-/// The tower and projector on `KplHostBackend` (the GPU kernels run on the host: GELU in both
-/// forms and the table-driven RoPE, the rest the CPU backend's) at both wave sizes: the golden's
+/// The tower and projector on the GPU backend over the host build (`host_backend`: the GPU
+/// kernels run on the host, staged as on a device: GELU in both forms and the table-driven RoPE, the rest the CPU backend's) at both wave sizes: the golden's
 /// projector rows within its tolerance.
 #[test]
 fn vision_tower_on_the_gpu_kernels_matches_the_goldens() {
-    use kimi_kpl_host::KplHostBackend;
+    use kimi_kpl_host::host_backend;
     let (g, _text, vm) = vision_tiny();
     let tol = g.case["suggested_tolerance"]["tower_and_projector_max_abs"].as_f64().expect("tolerance") as f32;
     let mut items = Vec::new();
@@ -165,7 +165,7 @@ fn vision_tower_on_the_gpu_kernels_matches_the_goldens() {
         items.push(input);
     }
     for wave in [32, 64] {
-        let out = vm.encode(&KplHostBackend::new(wave), &items, None).expect("encodes");
+        let out = vm.encode(&host_backend(wave), &items, None).expect("encodes");
         let d = max_abs_diff(&out, &g.f32("projector.out"));
         assert!(d <= tol, "wave {wave}: projector.out differs by {d}");
     }

@@ -222,7 +222,9 @@ pub fn pip_install_or_skip(test: &str, cmd: &mut std::process::Command) -> bool 
             return false;
         }
         if !pypi_reachable() {
-            eprintln!("SKIPPED {test}: PyPI (pypi.org:443) is unreachable, so its packages cannot be installed:\n{why}");
+            eprintln!(
+                "SKIPPED {test}: PyPI (pypi.org:443) is unreachable, so its packages cannot be installed:\n{why}"
+            );
             return false;
         }
     }
