@@ -7,6 +7,9 @@ written back after the launch.
 
     python kernels/triton/replay.py LAUNCH_DIR     # LAUNCH_DIR/launch.json + the buffers' files
     python kernels/triton/replay.py --signatures   # every AOT-built kernel's signature, as JSON
+    python kernels/triton/replay.py --serve        # one launch directory a line on stdin; answers
+                                                   # `ok` or `error <message>` a line (one process
+                                                   # for many launches: Triton is imported once)
 """
 
 import json
@@ -78,9 +81,22 @@ def replay(launch_dir):
         merged.tofile(os.path.join(launch_dir, buffers[i]["file"]))
 
 
+def serve():
+    for line in sys.stdin:
+        try:
+            replay(line.strip())
+            answer = "ok"
+        except Exception as e:  # the launch fails, not the server
+            answer = "error " + repr(e).replace("\n", " ")
+        sys.stdout.write(answer + "\n")
+        sys.stdout.flush()
+
+
 def main():
     if sys.argv[1:] == ["--signatures"]:
         print(json.dumps(signatures()))
+    elif sys.argv[1:] == ["--serve"]:
+        serve()
     else:
         replay(sys.argv[1])
 

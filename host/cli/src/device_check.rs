@@ -263,11 +263,13 @@ fn collectives() -> bool {
     }
 }
 
-/// Logits may differ from the CPU backend's by this much (absolute) through the device: the
-/// tensor cores multiply activations rounded to BF16 (the CPU keeps them f32), about 2⁻⁹ of each
-/// product's inputs, over a random model whose logits are O(1). The goldens' own tolerances
-/// against their references are 3e-3 to 1.3e-2.
-const MODEL_TOLERANCE: f32 = 2e-2;
+/// Logits may differ from the CPU backend's by this much (absolute) through the device, on a
+/// random model whose logits are O(1): the products multiply activations as BF16 hi + lo
+/// (relative error ≤ 2⁻¹⁷), and the device's `exp` and FMA contraction differ from the CPU's in
+/// the last bits. The goldens' tolerances against their references are 3.3e-3 to 1.3e-2; on the
+/// CPU, through the same launches replayed in Triton's interpreter, the goldens' models stay
+/// within 2.2e-3 (the suite's `goldens_pass_through_the_gpu_backend_with_its_triton_kernels`).
+const MODEL_TOLERANCE: f32 = 5e-3;
 
 /// The whole model on the device (`GpuBackend`: each op staged through device memory, the ops
 /// without a device path on the CPU) against the CPU backend: a random K3.1 model of the embedded
@@ -378,7 +380,10 @@ fn triton_checks(k: &dyn GpuDevice) -> Result<bool> {
     let mut ok = true;
     let (m, n, kd) = (3usize, 1000usize, 512usize);
     let x = values(40, m * kd, 1.0);
-    let xr: Vec<f32> = widen(&bf16(&x));
+    // The products multiply activations as BF16 hi + lo (kernels/triton/kimi_triton/gemm.py).
+    let hi = widen(&bf16(&x));
+    let lo: Vec<f32> = x.iter().zip(&hi).map(|(v, h)| v - h).collect();
+    let xr: Vec<f32> = hi.iter().zip(widen(&bf16(&lo))).map(|(h, l)| h + l).collect();
     let dx = GpuBuffer::upload(k, &x)?;
     // BF16.
     let w = bf16(&values(41, n * kd, 1.0));

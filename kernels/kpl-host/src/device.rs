@@ -7,13 +7,14 @@
 //! Triton kernels have no host build; the backend keeps their ops on the CPU here, unless the
 //! device is made [`HostDevice::with_triton`]: then each Triton launch is written out as the Rust
 //! side made it (kernel, grid, arguments, every buffer a pointer argument addresses) and replayed
-//! in Triton's interpreter (`kernels/triton/replay.py`, one Python process a launch: slow, for
-//! tests), and the buffers are read back — so the launchers' argument lists, strides and grids are
+//! in Triton's interpreter (`kernels/triton/replay.py --serve`, one Python process for the
+//! device's launches; slow, for tests), and the buffers are read back — so the launchers' argument lists, strides and grids are
 //! checked on the CPU.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytemuck::Pod;
@@ -69,9 +70,37 @@ struct Allocation {
     bytes: usize,
 }
 
+/// The interpreter's replay server (`replay.py --serve`): one Python process for every launch
+/// of this device, so Triton is imported once.
 struct TritonReplay {
-    python: PathBuf,
-    script: PathBuf,
+    server: Mutex<ReplayServer>,
+}
+
+struct ReplayServer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl ReplayServer {
+    /// Sends one launch directory and waits for the answer.
+    fn replay(&mut self, dir: &Path) -> Result<(), String> {
+        writeln!(self.stdin, "{}", dir.display()).and_then(|()| self.stdin.flush()).map_err(|e| e.to_string())?;
+        let mut answer = String::new();
+        self.stdout.read_line(&mut answer).map_err(|e| e.to_string())?;
+        match answer.trim_end() {
+            "ok" => Ok(()),
+            "" => Err(format!("the replay server exited ({:?})", self.child.try_wait())),
+            other => Err(other.trim_start_matches("error ").to_string()),
+        }
+    }
+}
+
+impl Drop for ReplayServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Replayed launches in this process: each gets its own directory, whichever device made it.
@@ -139,7 +168,18 @@ impl HostDevice {
             };
             dev.entries.insert(name, entry);
         }
-        dev.triton = Some(TritonReplay { python: python.to_path_buf(), script });
+        let mut child = Command::new(python)
+            .arg(&script)
+            .arg("--serve")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", python.display()))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err("the replay server's pipes".into());
+        };
+        let server = ReplayServer { child, stdin, stdout: BufReader::new(stdout) };
+        dev.triton = Some(TritonReplay { server: Mutex::new(server) });
         Ok(dev)
     }
 
@@ -193,14 +233,9 @@ impl HostDevice {
         }
         let launch = serde_json::json!({ "kernel": name, "grid": [grid.0, grid.1, grid.2], "args": json_args, "buffers": buffers });
         std::fs::write(dir.join("launch.json"), launch.to_string()).map_err(|e| fail(e.to_string()))?;
-        let out = Command::new(&r.python).arg(&r.script).arg(&dir).output().map_err(|e| fail(e.to_string()))?;
-        if !out.status.success() {
+        if let Err(e) = r.server.lock().replay(&dir) {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(fail(format!(
-                "the interpreter's replay failed ({}):\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )));
+            return Err(fail(format!("the interpreter's replay failed: {e}")));
         }
         for (i, &base) in bases.iter().enumerate() {
             let data = std::fs::read(dir.join(format!("b{i}.bin"))).map_err(|e| fail(e.to_string()))?;

@@ -39,6 +39,12 @@ fn bf16(x: f32) -> f32 {
     f32::from_bits((f32_to_bf16_bits(x) as u32) << 16)
 }
 
+/// What the BF16 / MXFP4 products multiply for an f32 activation: its BF16 `hi + lo` split.
+fn bf16x2(x: f32) -> f32 {
+    let hi = bf16(x);
+    hi + bf16(x - hi)
+}
+
 /// A tensor file of a case.
 enum Data {
     F32(Vec<f32>),
@@ -136,7 +142,7 @@ fn bf16_cases(rng: &mut Rng, out: &mut Vec<Case>) {
         let w: Vec<u16> = rng.vec(n * k).into_iter().map(f32_to_bf16_bits).collect();
         let x = rng.vec(m * k);
         // The matrix cores see BF16 activations: the reference gets the same rounded values.
-        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        let xr: Vec<f32> = x.iter().map(|&v| bf16x2(v)).collect();
         let mut want = vec![0f32; m * n];
         CpuBackend.matmul(&Matrix::Bf16(Bf16Matrix::new(&w, n, k)), &xr, m, &mut want);
         let wf: Vec<f32> = w.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
@@ -169,7 +175,7 @@ fn mxfp4_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     for (m, n, k, bk) in [(1, 33, 64, 64), (3, 65, 96, 64), (17, 40, 160, 32)] {
         let (q, s) = mxfp4_matrix(rng, n, k, true);
         let x = rng.vec(m * k);
-        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        let xr: Vec<f32> = x.iter().map(|&v| bf16x2(v)).collect();
         let mat = Mxfp4Matrix::new(&q, &s, n, k);
         let mut want = vec![0f32; m * n];
         CpuBackend.matmul(&Matrix::Mxfp4(mat), &xr, m, &mut want);
@@ -242,7 +248,7 @@ fn moe_cases(rng: &mut Rng, out: &mut Vec<Case>) {
     let (experts, n, k, tokens) = (5usize, 48usize, 96usize, 20usize);
     let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..experts).map(|_| mxfp4_matrix(rng, n, k, false)).collect();
     let x = rng.vec(tokens * k);
-    let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+    let xr: Vec<f32> = x.iter().map(|&v| bf16x2(v)).collect();
     let mut pairs: Vec<(usize, usize)> = Vec::new(); // (expert, token)
     for t in 0..tokens {
         let a = if t < 18 { 0 } else { 1 };
@@ -601,8 +607,8 @@ fn gpu_backend_triton_launches_match_the_cpu_backend_in_the_interpreter() {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let check = |name: &str, w: &Matrix<'_>, x: &[f32], m: usize| {
         let n = w.rows();
-        // The tensor cores take activations rounded to BF16; so does the reference here.
-        let xr: Vec<f32> = x.iter().map(|&v| bf16(v)).collect();
+        // The tensor cores take activations as BF16 hi + lo; so does the reference here.
+        let xr: Vec<f32> = x.iter().map(|&v| bf16x2(v)).collect();
         let mut want = vec![0f32; m * n];
         CpuBackend.matmul(w, &xr, m, &mut want);
         for round in 0..2 {

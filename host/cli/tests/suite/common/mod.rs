@@ -255,3 +255,26 @@ pub fn walk_lowest_allowed(m: &mut kimi_host::grammar::ConstraintMatcher, steps:
         }
     }
 }
+
+/// The GPU tools' Python (`scripts/gpu-tools.sh`: pinned triton and numpy), installed once for
+/// the whole suite; `None`, after saying why, when the machine cannot install them (the script
+/// exits 75: no PyPI, a full disk). Any other failure fails the test.
+pub fn gpu_tools_python() -> Option<String> {
+    static PYTHON: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            let out = std::process::Command::new("bash")
+                .arg(root.join("scripts/gpu-tools.sh"))
+                .output()
+                .expect("run scripts/gpu-tools.sh");
+            let err = String::from_utf8_lossy(&out.stderr);
+            if out.status.code() == Some(75) {
+                eprintln!("SKIPPED: the GPU tools (triton, numpy) could not be installed:\n{err}");
+                return None;
+            }
+            assert!(out.status.success(), "scripts/gpu-tools.sh failed:\n{err}");
+            Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        })
+        .clone()
+}
