@@ -15,8 +15,9 @@
 #      Triton BF16 / MXFP4 products against the CPU backend, then a random K3.1 model (MXFP4
 #      experts) through the staged GPU backend against the CPU backend (prefill and decode logits,
 #      greedy tokens), then GEMV (BF16, MXFP4) and KDA-decode bandwidth as a fraction of HBM.
-#      Non-zero exit on any mismatch. (The goldens' files stay out of the project, so the model
-#      check uses a generated model; the goldens pass through the same backend on the host in CI.)
+#      and, when `prepare` found ../shared/golden, the three text goldens through the same backend
+#      within their tolerances. Non-zero exit on any mismatch. (The goldens are copied into the
+#      ignored target/device-check/golden only, to be carried; the project never holds them.)
 # On an MI355X the same run is `kimi-host kernels check --backend hip` (never tried).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,6 +27,12 @@ if [ "${1:-}" = "prepare" ]; then
     cargo build --release -p kimi-host-cli --bin kimi-host
     mkdir -p target/device-check
     strip -o target/device-check/kimi-host target/release/kimi-host
+    golden=${KIMI_GOLDEN_DIR:-$root/../shared/golden}
+    rm -rf target/device-check/golden
+    if [ -d "$golden" ]; then
+        mkdir -p target/device-check/golden
+        for m in k3-tiny k3-tiny-mxfp4 k31-tiny-indexer; do cp -r "$golden/$m" target/device-check/golden/; done
+    fi
     scripts/build-gpu-kernels.sh target/gpu-kernels
     du -sh target/device-check target/gpu-kernels
     echo "carry: target/device-check target/gpu-kernels; run: scripts/device-check.sh"
@@ -38,4 +45,6 @@ bin=target/device-check/kimi-host
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv || true
 echo "== kernels (sm_90) against the CPU backend, then bandwidth"
-timeout 420 "$bin" kernels check --backend cuda --kernels target/gpu-kernels
+goldens=()
+[ -d target/device-check/golden ] && goldens=(--golden target/device-check/golden)
+timeout 420 "$bin" kernels check --backend cuda --kernels target/gpu-kernels "${goldens[@]}"

@@ -4,6 +4,7 @@
 //! The same checks run on either runtime through [`GpuDevice`]: launch shapes follow the
 //! device's wave (32 on NVIDIA, 64 on AMD CDNA).
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -63,8 +64,12 @@ fn report(name: &str, got: &[f32], want: &[f32], tol: f32) -> bool {
     ok
 }
 
-/// Runs every check on `dev` (`kernels check` opens it from the manifest's directory).
-pub fn run(dev: Arc<dyn GpuDevice>) -> Result<()> {
+/// The text goldens the device check runs when given their directory (`--golden`).
+pub const GOLDEN_MODELS: [&str; 3] = ["k3-tiny", "k3-tiny-mxfp4", "k31-tiny-indexer"];
+
+/// Runs every check on `dev` (`kernels check` opens it from the manifest's directory), and the
+/// text goldens of `golden` (a copy of `../shared/golden`) when given.
+pub fn run(dev: Arc<dyn GpuDevice>, golden: Option<&Path>) -> Result<()> {
     let k = &*dev;
     println!("device: {}", k.describe());
     let mut ok = true;
@@ -72,6 +77,13 @@ pub fn run(dev: Arc<dyn GpuDevice>) -> Result<()> {
     ok &= triton_checks(k)?;
     ok &= collectives();
     ok &= model_check(dev.clone())?;
+    if let Some(dir) = golden {
+        for name in GOLDEN_MODELS {
+            let r = golden_check(dev.clone(), &dir.join(name)).with_context(|| format!("golden {name}"))?;
+            println!("{} {r}", if r.passed() { "ok  " } else { "FAIL" });
+            ok &= r.passed();
+        }
+    }
     bandwidth(k)?;
     if !ok {
         bail!("some kernels disagree with the CPU backend");
@@ -310,6 +322,70 @@ fn model_check(dev: Arc<dyn GpuDevice>) -> Result<bool> {
         if ok { "ok  " } else { "FAIL" }
     );
     Ok(ok)
+}
+
+/// One golden model through the GPU backend.
+#[derive(Clone, Debug)]
+pub struct GoldenReport {
+    pub name: String,
+    /// The worst |Δ| of the 7-token prefill's logits and of the cached decode steps' logits.
+    pub worst_logits: f32,
+    /// The golden's own logits tolerance (`case.json`).
+    pub tolerance: f32,
+    pub decode_steps: usize,
+}
+
+impl GoldenReport {
+    pub fn passed(&self) -> bool {
+        self.worst_logits <= self.tolerance
+    }
+}
+
+impl std::fmt::Display for GoldenReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "golden {} through GpuBackend: 7-token prefill + {} cached decode steps, worst |Δ logits| {:.2e} (tolerance {})",
+            self.name, self.decode_steps, self.worst_logits, self.tolerance
+        )
+    }
+}
+
+/// Golden model `dir` (`config.json`, `model.safetensors`, `golden.safetensors`, `case.json`) on
+/// the GPU backend over `dev`: the traced 7-token prefill's logits, then the decode prompt's
+/// prefill and its cached decode steps' logits, against the golden tensors.
+pub fn golden_check(dev: Arc<dyn GpuDevice>, dir: &Path) -> Result<GoldenReport> {
+    use kimi_host::model::checkpoint::Checkpoint;
+    let case: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("case.json"))?)?;
+    let tolerance =
+        case["suggested_tolerance"]["logits_max_abs"].as_f64().context("case.json: logits tolerance")? as f32;
+    let ck = Checkpoint::open_file(&dir.join("golden.safetensors"))?;
+    let info = |name: &str| ck.info(name).with_context(|| format!("golden tensor {name} missing"));
+    let ids = |name: &str| -> Result<Vec<u32>> { Ok(ck.read_i64(info(name)?).into_iter().map(|x| x as u32).collect()) };
+    let want = |name: &str| -> Result<Vec<f32>> { Ok(ck.read_f32(info(name)?)) };
+    let worst = |got: &[f32], want: &[f32]| -> Result<f32> {
+        if got.len() != want.len() {
+            bail!("{} logits computed, {} in the golden", got.len(), want.len());
+        }
+        Ok(got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f32, |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) }))
+    };
+    let gpu = Model::load(dir)?.with_backend(Arc::new(GpuBackend::new(dev)));
+    let trace = gpu.forward(&ids("trace.len7.input_ids")?, &mut gpu.new_state(), LogitsFor::AllTokens, None)?;
+    let mut worst_logits = worst(&trace, &want("trace.len7.logits")?)?;
+    let mut st = gpu.new_state();
+    gpu.forward(&ids("decode.prompt_input_ids")?, &mut st, LogitsFor::AllTokens, None)?;
+    let steps = ids("decode.input_ids")?;
+    let mut logits = Vec::new();
+    for &id in &steps {
+        logits.extend(gpu.forward(&[id], &mut st, LogitsFor::AllTokens, None)?);
+    }
+    worst_logits = worst_logits.max(worst(&logits, &want("decode.logits")?)?);
+    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    Ok(GoldenReport { name, worst_logits, tolerance, decode_steps: steps.len() })
 }
 
 /// One KDA decode step's device buffers (q, k, v and z, β logits, the per-head constants, the slot

@@ -333,6 +333,10 @@ enum KernelsCommand {
         /// cuda or hip.
         #[arg(long, default_value = "cuda")]
         backend: String,
+        /// A directory holding the text goldens (k3-tiny, k3-tiny-mxfp4, k31-tiny-indexer, as
+        /// in ../shared/golden): also run them through the GPU backend.
+        #[arg(long)]
+        golden: Option<PathBuf>,
     },
 }
 
@@ -597,7 +601,7 @@ fn main() -> Result<()> {
             let m = kimi_kernels::gpu::manifest::Manifest::parse(&text).map_err(anyhow::Error::msg)?;
             print!("{m}");
         }
-        Command::Kernels(KernelsCommand::Check { kernels, backend }) => {
+        Command::Kernels(KernelsCommand::Check { kernels, backend, golden }) => {
             use kimi_kernels::gpu::device::GpuDevice;
             let loading = || format!("loading the kernels of {}", kernels.display());
             // The probes' messages name what was looked for when there is no runtime or device.
@@ -612,7 +616,7 @@ fn main() -> Result<()> {
                 }
                 other => bail!("kernels check: unknown backend `{other}` (cuda, hip)"),
             };
-            kimi_host_cli::device_check::run(dev)?;
+            kimi_host_cli::device_check::run(dev, golden.as_deref())?;
         }
         Command::Plan {
             model_dir,
