@@ -56,13 +56,14 @@ KERNELS += [
       "WIDTH": I32, "SPLITS": I32},
      {"BLOCK_W": 512}),
 ]
-# The release indexer: 64 heads of dimension 128; 64 positions a block.
+# The release indexer: 64 heads of dimension 128; 16 positions a block (a block lies in one page of
+# the engine's 16-token pages).
 KERNELS += [
     (indexer.indexer_scores,
      {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*fp32", "table_ptr": "*i32", "seq_ptr": "*i32",
       "pos_ptr": "*i32", "out_ptr": "*fp32", "HI": I32, "D": I32, "PAGE_TOKENS": I32, "MAX_PAGES": I32,
       "S_MAX": I32, "scale": "fp32"},
-     {"BLOCK_H": 64, "BLOCK_S": 64, "D_PAD": 128}),
+     {"BLOCK_H": 64, "BLOCK_S": 16, "D_PAD": 128}),
 ]
 # The release KDA heads: K = V = 128; chunks of 16, 32 keys and 32 values a block.
 KERNELS += [

@@ -62,6 +62,8 @@ pub struct HostDevice {
     memory: Mutex<HashMap<u64, Allocation>>,
     /// The interpreter Triton launches are replayed in, if any.
     triton: Option<TritonReplay>,
+    /// Launches by kernel name (tests check which kernels a model ran).
+    launched: Mutex<HashMap<String, usize>>,
 }
 
 /// One allocation: u64 words, so any Pod type is aligned in them, and the bytes asked for.
@@ -131,7 +133,7 @@ impl HostDevice {
                 (name.to_string(), e)
             })
             .collect();
-        HostDevice { wave, entries, memory: Mutex::new(HashMap::new()), triton: None }
+        HostDevice { wave, entries, memory: Mutex::new(HashMap::new()), triton: None, launched: Mutex::default() }
     }
 
     /// The host build plus every Triton kernel, replayed in the interpreter of `python` (a
@@ -250,6 +252,11 @@ impl HostDevice {
         Ok(())
     }
 
+    /// How many times each kernel was launched.
+    pub fn launches(&self) -> HashMap<String, usize> {
+        self.launched.lock().clone()
+    }
+
     /// Bytes the live allocations hold (a test checks a backend frees what it staged).
     pub fn allocated(&self) -> usize {
         self.memory.lock().values().map(|a| a.words.len() * 8).sum()
@@ -320,6 +327,7 @@ impl GpuDevice for HostDevice {
         _shared: u32,
         args: &[KernelArg<'_>],
     ) -> Result<(), GpuError> {
+        *self.launched.lock().entry(name.to_string()).or_default() += 1;
         if let (Some(r), Some(e)) = (&self.triton, self.entries.get(name))
             && e.source == "triton"
         {

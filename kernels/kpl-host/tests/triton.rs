@@ -678,3 +678,66 @@ fn gpu_backend_mla_attention_matches_the_cpu_backend_in_the_interpreter() {
     close(&got, &want, "ctx without lse");
     assert_eq!(dev.allocated(), 0, "the staging was freed");
 }
+
+/// The GPU backend's indexer (scores on `triton_indexer_scores`, the top-k on the host), vision
+/// attention and context-parallel merge, replayed in the interpreter, against the CPU backend:
+/// the indexer over two sequences with a hole and a cut inside a page, attention over ragged
+/// spans with a row in none, the merge with a partial that holds nothing.
+#[test]
+fn gpu_backend_indexer_vision_attention_and_merge_match_the_cpu_backend_in_the_interpreter() {
+    use kimi_kernels::gpu::backend::GpuBackend;
+    use kimi_kernels::{PagedRows, SeqSpan};
+    let Some(python) = tools_python() else { return };
+    let dev = std::sync::Arc::new(kimi_kpl_host::HostDevice::with_triton(64, Path::new(&python)).expect("signatures"));
+    let be = GpuBackend::new(dev.clone());
+    let mut rng = Rng(0x0bad_cafe_f00d_1234);
+    let close = |g: &[f32], w: &[f32], what: &str| {
+        assert_eq!(g.len(), w.len(), "{what}");
+        for (i, (g, w)) in g.iter().zip(w).enumerate() {
+            let same = g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= 2e-5 * (1.0 + w.abs());
+            assert!(same, "{what}[{i}]: {g} vs {w}");
+        }
+    };
+    // Indexer: 3 heads of 24, 16-position pages; sequence 1's first page is another rank's.
+    let (heads, d, page_tokens) = (3usize, 24usize, 16usize);
+    let pages0: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(page_tokens * d)).collect();
+    let page1 = rng.vec(page_tokens * d);
+    let keys = [
+        PagedRows { pages: pages0.iter().map(|p| &p[..]).collect(), page_tokens, width: d },
+        PagedRows { pages: vec![&[][..], &page1[..]], page_tokens, width: d },
+    ];
+    let rows = [(0usize, 40usize), (1, 25), (0, 3), (1, 7)];
+    let q = rng.vec(rows.len() * heads * d);
+    let w = rng.vec(rows.len() * heads);
+    let want = CpuBackend.indexer_topk(&q, &w, heads, 0.2, 9, &rows, &keys);
+    let got = be.indexer_topk(&q, &w, heads, 0.2, 9, &rows, &keys);
+    for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "token {t}: selection");
+        close(&g.scores, &w.scores, &format!("token {t}: scores"));
+    }
+    // Vision attention: 2 heads of 20, spans of 70 (two row blocks), 1 and 5 rows, row 76 in none.
+    let (heads, dim) = (2usize, 20usize);
+    let spans = [
+        SeqSpan { start: 0, len: 70, pos: 0 },
+        SeqSpan { start: 70, len: 1, pos: 0 },
+        SeqSpan { start: 71, len: 5, pos: 0 },
+    ];
+    let n = 77 * heads * dim;
+    let (q, k, v) = (rng.vec(n), rng.vec(n), rng.vec(n));
+    let (mut want, mut got) = (vec![0f32; n], vec![f32::NAN; n]);
+    CpuBackend.attention_varlen(&q, &k, &v, heads, dim, &spans, 0.3, &mut want);
+    be.attention_varlen(&q, &k, &v, heads, dim, &spans, 0.3, &mut got);
+    close(&got, &want, "attention_varlen");
+    // Merge: three partials of 4 rows × 40, the second holding nothing for row 2.
+    let (rows, width) = (4usize, 40usize);
+    let parts: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(rows * width)).collect();
+    let mut lses: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(rows).into_iter().map(|x| x * 4.0).collect()).collect();
+    lses[1][2] = f32::NEG_INFINITY;
+    let pr: Vec<&[f32]> = parts.iter().map(|p| &p[..]).collect();
+    let lr: Vec<&[f32]> = lses.iter().map(|l| &l[..]).collect();
+    let (mut want, mut got) = (vec![0f32; rows * width], vec![f32::NAN; rows * width]);
+    CpuBackend.attention_merge(&pr, &lr, width, &mut want);
+    be.attention_merge(&pr, &lr, width, &mut got);
+    close(&got, &want, "attention_merge");
+    assert_eq!(dev.allocated(), 0, "the staging was freed");
+}

@@ -32,16 +32,24 @@ pub fn indexer_topk(
                     (0..heads).map(|j| w[t * heads + j] * scale * dot(&qt[j * d..(j + 1) * d], ks).max(0.0)).sum()
                 })
                 .collect();
-            let mut order: Vec<usize> = (0..=pos).filter(|&s| keys[seq].holds(s)).collect();
-            let k = topk.min(order.len());
-            let mut margin = f32::NAN;
-            if k < order.len() {
-                order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-                margin = scores[order[k - 1]] - scores[order[k]];
-                order.truncate(k);
-                order.sort_unstable();
-            }
-            Selection { tokens: order, scores, margin }
+            select(scores, topk)
         })
         .collect()
+}
+
+/// A query's top `topk` of `scores` (`I(t, s)` for `s ≤ t`; NaN where another context-parallel
+/// rank holds the key, never a candidate): ties to the lower position, selected positions
+/// ascending, and the margin between the k-th and the (k+1)-th score (NaN when nothing is
+/// pruned). Every backend selects through this, so selections agree wherever scores do.
+pub fn select(scores: Vec<f32>, topk: usize) -> Selection {
+    let mut order: Vec<usize> = (0..scores.len()).filter(|&s| !scores[s].is_nan()).collect();
+    let k = topk.min(order.len());
+    let mut margin = f32::NAN;
+    if k < order.len() {
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        margin = scores[order[k - 1]] - scores[order[k]];
+        order.truncate(k);
+        order.sort_unstable();
+    }
+    Selection { tokens: order, scores, margin }
 }

@@ -8,14 +8,14 @@
 //! `kimi-kpl-host`'s host device, how CI runs the same op mapping on the CPU (the goldens and
 //! TP = 2 pass through it there).
 //!
-//! On the device: BF16 and MXFP4 products and MLA attention over the paged latent cache (Triton,
-//! when the device has their builds; the tensor cores take the products' activations rounded to
-//! BF16), embedding, RMSNorm, gated RMSNorm, SiLU / SiTU GLU, GELU, both RoPEs, AttnRes, KDA's
-//! convolution and decode step, the router. On the CPU backend still: KDA prefill chunks and
-//! speculative verifies, MLA attention over indexer selections, MLA absorb / lift, the merge of
-//! context-parallel partials, the indexer, grouped experts, layer norm, vision attention, adds and
-//! the output gate (Triton builds of the indexer, KDA chunked prefill, the merge and grouped MoE
-//! exist; their launches from here are not written).
+//! On the device: BF16 and MXFP4 products (activations as BF16 hi + lo), MLA attention over the
+//! paged latent cache, the merge of context-parallel partials, the indexer's scores (its top-k on
+//! the host) and the vision tower's attention (Triton, when the device has their builds);
+//! embedding, RMSNorm, gated RMSNorm, SiLU / SiTU GLU, GELU, both RoPEs, AttnRes, KDA's
+//! convolution and decode step, the router (kpl). On the CPU backend still: KDA prefill chunks and
+//! speculative verifies, MLA attention over indexer selections, MLA absorb / lift, grouped
+//! experts, layer norm, adds and the output gate (Triton builds of KDA chunked prefill and grouped
+//! MoE exist; their launches from here are not written).
 //!
 //! The Triton launches are checked in CI by replaying them in Triton's interpreter
 //! (`kimi-kpl-host`'s `HostDevice::with_triton`).
@@ -273,20 +273,7 @@ impl GpuBackend {
         // each block it visits), with −1 past a sequence's pages.
         let max_pages =
             caches.iter().map(|c| c.pages.len()).chain(rows.iter().map(|r| r.1 / page_tokens + 1)).max().unwrap_or(1);
-        let page = page_tokens * width;
-        let mut arena = Vec::new();
-        let mut table = vec![-1i32; caches.len() * max_pages];
-        for (s, c) in caches.iter().enumerate() {
-            for (i, p) in c.pages.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-                table[s * max_pages + i] = (arena.len() / page) as i32;
-                let n = p.len().min(page);
-                arena.extend_from_slice(&p[..n]);
-                arena.resize(arena.len() + page - n, 0.0);
-            }
-        }
-        if arena.is_empty() {
-            arena.resize(page, 0.0);
-        }
+        let (arena, table) = Self::page_arena(caches, max_pages);
         let seqs: Vec<i32> = rows.iter().map(|r| r.0 as i32).collect();
         let pos: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
         // One split covers every position of the table.
@@ -323,6 +310,207 @@ impl GpuBackend {
         // sequences × max_pages entries naming arena pages or −1, ctx and lse their outputs
         // (checked); the stage keeps them until it finishes.
         unsafe { launch_triton(dev, "triton_mla_decode", grid, &args)? };
+        st.finish()?;
+        Ok(true)
+    }
+
+    /// A page arena of `caches`' held pages and their table (−1 for a hole or past a sequence's
+    /// pages), `max_pages` entries a sequence, each page `page_tokens × width` values.
+    fn page_arena(caches: &[PagedRows<'_>], max_pages: usize) -> (Vec<f32>, Vec<i32>) {
+        let Some(first) = caches.first() else { return (vec![0.0], vec![-1; max_pages]) };
+        let page = first.page_tokens * first.width;
+        let mut arena = Vec::new();
+        let mut table = vec![-1i32; caches.len() * max_pages];
+        for (s, c) in caches.iter().enumerate() {
+            for (i, p) in c.pages.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+                table[s * max_pages + i] = (arena.len() / page) as i32;
+                let n = p.len().min(page);
+                arena.extend_from_slice(&p[..n]);
+                arena.resize(arena.len() + page - n, 0.0);
+            }
+        }
+        if arena.is_empty() {
+            arena.resize(page.max(1), 0.0);
+        }
+        (arena, table)
+    }
+
+    /// The K3.1 indexer's scores on `triton_indexer_scores` over a staged key arena, the top-k
+    /// selected on the host (the CPU backend's `select`); `None` outside what the build covers
+    /// (heads past 64, dimension past 128, pages not a multiple of 16 positions).
+    #[allow(clippy::too_many_arguments)]
+    fn try_indexer_topk(
+        &self,
+        q: &[f32],
+        w: &[f32],
+        heads: usize,
+        scale: f32,
+        topk: usize,
+        rows: &[(usize, usize)],
+        keys: &[PagedRows<'_>],
+    ) -> Result<Option<Vec<Selection>>, GpuError> {
+        // The build's tiles (kernels/triton/aot.py).
+        const BLOCK_H: usize = 64;
+        const BLOCK_S: usize = 16;
+        const D_PAD: usize = 128;
+        let Some(first) = keys.first() else { return Ok(None) };
+        let (page_tokens, d) = (first.page_tokens, first.width);
+        let tokens = rows.len();
+        if !self.has("triton_indexer_scores")
+            || tokens == 0
+            || heads == 0
+            || heads > BLOCK_H
+            || d == 0
+            || d > D_PAD
+            || page_tokens == 0
+            || !page_tokens.is_multiple_of(BLOCK_S)
+            || keys.iter().any(|c| c.page_tokens != page_tokens || c.width != d)
+        {
+            return Ok(None);
+        }
+        assert!(
+            q.len() == tokens * heads * d && w.len() == tokens * heads && rows.iter().all(|&(s, _)| s < keys.len()),
+            "indexer_topk: shapes"
+        );
+        let max_pages =
+            keys.iter().map(|c| c.pages.len()).chain(rows.iter().map(|r| r.1 / page_tokens + 1)).max().unwrap_or(1);
+        let (arena, table) = Self::page_arena(keys, max_pages);
+        let s_max = rows.iter().map(|r| r.1 + 1).max().unwrap_or(1);
+        let seqs: Vec<i32> = rows.iter().map(|r| r.0 as i32).collect();
+        let pos: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
+        let mut scores = vec![0f32; tokens * s_max];
+        {
+            let dev = &*self.dev;
+            let mut st = Stage::new(dev);
+            let args = [
+                KernelArg::Ptr(st.input(q)?),
+                KernelArg::Ptr(st.input(w)?),
+                KernelArg::Ptr(st.input(&arena)?),
+                KernelArg::Ptr(st.input(&table)?),
+                KernelArg::Ptr(st.input(&seqs)?),
+                KernelArg::Ptr(st.input(&pos)?),
+                KernelArg::Ptr(st.output(&mut scores)?),
+                KernelArg::I32(heads as i32),
+                KernelArg::I32(d as i32),
+                KernelArg::I32(page_tokens as i32),
+                KernelArg::I32(max_pages as i32),
+                KernelArg::I32(s_max as i32),
+                KernelArg::F32(scale),
+            ];
+            let grid = (tokens as u32, s_max.div_ceil(BLOCK_S) as u32, 1);
+            // SAFETY: q holds tokens × heads × d values, w tokens × heads, the arena every held
+            // page, the table sequences × max_pages entries naming arena pages or −1, scores
+            // tokens × s_max (checked or sized here).
+            unsafe { launch_triton(dev, "triton_indexer_scores", grid, &args)? };
+            st.finish()?;
+        }
+        Ok(Some(
+            rows.iter()
+                .enumerate()
+                .map(|(t, &(_, p))| crate::cpu::indexer::select(scores[t * s_max..t * s_max + p + 1].to_vec(), topk))
+                .collect(),
+        ))
+    }
+
+    /// The vision tower's block-diagonal attention on `triton_attention_varlen`; `false` past the
+    /// build's head width (128).
+    #[allow(clippy::too_many_arguments)]
+    fn try_attention_varlen(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        dim: usize,
+        spans: &[SeqSpan],
+        scale: f32,
+        out: &mut [f32],
+    ) -> Result<bool, GpuError> {
+        const BLOCK_M: usize = 64;
+        if !self.has("triton_attention_varlen") || dim == 0 || dim > 128 || heads == 0 || spans.is_empty() {
+            return Ok(false);
+        }
+        let width = heads * dim;
+        assert!(
+            q.len() == out.len()
+                && k.len() == out.len()
+                && v.len() == out.len()
+                && out.len().is_multiple_of(width)
+                && spans.iter().all(|s| (s.start + s.len) * width <= out.len()),
+            "attention_varlen: shapes"
+        );
+        // Rows in no span stay zero, as on the CPU.
+        out.fill(0.0);
+        let starts: Vec<i32> = spans.iter().map(|s| s.start as i32).collect();
+        let lens: Vec<i32> = spans.iter().map(|s| s.len as i32).collect();
+        let longest = spans.iter().map(|s| s.len).max().unwrap_or(0);
+        if longest == 0 {
+            return Ok(true);
+        }
+        let dev = &*self.dev;
+        let mut st = Stage::new(dev);
+        let args = [
+            KernelArg::Ptr(st.input(q)?),
+            KernelArg::Ptr(st.input(k)?),
+            KernelArg::Ptr(st.input(v)?),
+            KernelArg::Ptr(st.output(out)?),
+            KernelArg::Ptr(st.input(&starts)?),
+            KernelArg::Ptr(st.input(&lens)?),
+            KernelArg::I32(heads as i32),
+            KernelArg::I32(dim as i32),
+            KernelArg::F32(scale),
+        ];
+        let grid = (longest.div_ceil(BLOCK_M) as u32, heads as u32, spans.len() as u32);
+        // SAFETY: q, k, v and out hold rows × heads × dim values and every span lies inside them
+        // (checked).
+        unsafe { launch_triton(dev, "triton_attention_varlen", grid, &args)? };
+        st.finish()?;
+        Ok(true)
+    }
+
+    /// The exact merge of context-parallel attention partials on `triton_attention_merge`;
+    /// `false` past the build's width (512).
+    fn try_attention_merge(
+        &self,
+        parts: &[&[f32]],
+        lses: &[&[f32]],
+        width: usize,
+        out: &mut [f32],
+    ) -> Result<bool, GpuError> {
+        const BLOCK_W: usize = 512;
+        if !self.has("triton_attention_merge") || parts.is_empty() || width == 0 || width > BLOCK_W {
+            return Ok(false);
+        }
+        let rows = out.len() / width;
+        assert!(
+            out.len() == rows * width
+                && parts.len() == lses.len()
+                && parts.iter().all(|p| p.len() == rows * width)
+                && lses.iter().all(|l| l.len() == rows),
+            "attention_merge: shapes"
+        );
+        if rows == 0 {
+            return Ok(true);
+        }
+        let stacked: Vec<f32> = parts.concat();
+        let stacked_lse: Vec<f32> = lses.concat();
+        let mut merged_lse = vec![0f32; rows];
+        let dev = &*self.dev;
+        let mut st = Stage::new(dev);
+        let args = [
+            KernelArg::Ptr(st.input(&stacked)?),
+            KernelArg::Ptr(st.input(&stacked_lse)?),
+            KernelArg::Ptr(st.output(out)?),
+            KernelArg::Ptr(st.output(&mut merged_lse)?),
+            KernelArg::I32(rows as i32),
+            KernelArg::I32(width as i32),
+            KernelArg::I32(parts.len() as i32),
+        ];
+        // SAFETY: the partials are [splits, rows, width] and their log-sum-exps [splits, rows]
+        // (checked); out holds rows × width, the merged log-sum-exp rows.
+        unsafe {
+            launch_triton(dev, "triton_attention_merge", (rows as u32, width.div_ceil(BLOCK_W) as u32, 1), &args)?
+        };
         st.finish()?;
         Ok(true)
     }
@@ -689,7 +877,11 @@ impl Backend for GpuBackend {
         scale: f32,
         out: &mut [f32],
     ) {
-        self.cpu.attention_varlen(q, k, v, heads, dim, spans, scale, out)
+        match self.try_attention_varlen(q, k, v, heads, dim, spans, scale, out) {
+            Ok(true) => {}
+            Ok(false) => self.cpu.attention_varlen(q, k, v, heads, dim, spans, scale, out),
+            Err(e) => fatal("attention_varlen", e),
+        }
     }
 
     fn add(&self, acc: &mut [f32], x: &[f32]) {
@@ -796,7 +988,11 @@ impl Backend for GpuBackend {
     }
 
     fn attention_merge(&self, parts: &[&[f32]], lses: &[&[f32]], width: usize, out: &mut [f32]) {
-        self.cpu.attention_merge(parts, lses, width, out)
+        match self.try_attention_merge(parts, lses, width, out) {
+            Ok(true) => {}
+            Ok(false) => self.cpu.attention_merge(parts, lses, width, out),
+            Err(e) => fatal("attention_merge", e),
+        }
     }
 
     fn indexer_topk(
@@ -809,7 +1005,11 @@ impl Backend for GpuBackend {
         rows: &[(usize, usize)],
         keys: &[PagedRows<'_>],
     ) -> Vec<Selection> {
-        self.cpu.indexer_topk(q, w, heads, scale, topk, rows, keys)
+        match self.try_indexer_topk(q, w, heads, scale, topk, rows, keys) {
+            Ok(Some(selections)) => selections,
+            Ok(None) => self.cpu.indexer_topk(q, w, heads, scale, topk, rows, keys),
+            Err(e) => fatal("indexer_topk", e),
+        }
     }
 
     fn moe_route(&self, logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing {

@@ -295,11 +295,21 @@ fn goldens_pass_through_the_host_built_gpu_kernels() {
 fn goldens_pass_through_the_gpu_backend_with_its_triton_kernels() {
     use kimi_kpl_host::HostDevice;
     let Some(python) = common::gpu_tools_python() else { return };
-    for (name, wave) in [("k3-tiny", 64), ("k3-tiny-mxfp4", 64), ("k31-tiny-indexer", 32)] {
-        let dev = HostDevice::with_triton(wave, std::path::Path::new(&python)).expect("the replay server starts");
-        let r = kimi_host_cli::device_check::golden_check(std::sync::Arc::new(dev), &common::golden_dir().join(name))
-            .expect("runs");
-        eprintln!("{r} (wave {wave}, Triton replayed)");
+    // Each model with the Triton kernels it must have run on the "device".
+    for (name, wave, kernels) in [
+        ("k3-tiny", 64, &["triton_matmul_bf16", "triton_mla_decode"][..]),
+        ("k3-tiny-mxfp4", 64, &["triton_matmul_bf16", "triton_mla_decode"][..]),
+        ("k31-tiny-indexer", 32, &["triton_matmul_bf16", "triton_indexer_scores"][..]),
+    ] {
+        let dev = std::sync::Arc::new(
+            HostDevice::with_triton(wave, std::path::Path::new(&python)).expect("the replay server starts"),
+        );
+        let r = kimi_host_cli::device_check::golden_check(dev.clone(), &common::golden_dir().join(name)).expect("runs");
+        let launches = dev.launches();
+        eprintln!("{r} (wave {wave}, Triton replayed; launches {launches:?})");
         assert!(r.passed(), "{r}");
+        for k in kernels {
+            assert!(launches.get(*k).is_some_and(|&n| n > 0), "{name}: {k} never ran: {launches:?}");
+        }
     }
 }
