@@ -741,3 +741,49 @@ fn gpu_backend_indexer_vision_attention_and_merge_match_the_cpu_backend_in_the_i
     close(&got, &want, "attention_merge");
     assert_eq!(dev.allocated(), 0, "the staging was freed");
 }
+
+/// The GPU backend's routed experts (three grouped MXFP4 products around SiTU) replayed in the
+/// interpreter against the CPU backend: all experts local, and one rank's share under expert
+/// parallelism (choices of other ranks' experts add nothing), with an expert no token chose.
+#[test]
+fn gpu_backend_moe_experts_match_the_cpu_backend_in_the_interpreter() {
+    use kimi_kernels::gpu::backend::GpuBackend;
+    use kimi_kernels::{ExpertMatrices, Routing, SituParams};
+    let Some(python) = tools_python() else { return };
+    let dev = std::sync::Arc::new(kimi_kpl_host::HostDevice::with_triton(64, Path::new(&python)).expect("signatures"));
+    let be = GpuBackend::new(dev.clone());
+    let mut rng = Rng(0x5eed_0fe8_e77e_5700);
+    let (n_exp, lat, inter, tokens, top_k) = (4usize, 64usize, 96usize, 5usize, 2usize);
+    let mats: Vec<[(Vec<u8>, Vec<u8>); 3]> = (0..n_exp)
+        .map(|_| {
+            [
+                mxfp4_matrix(&mut rng, inter, lat, false),
+                mxfp4_matrix(&mut rng, inter, lat, false),
+                mxfp4_matrix(&mut rng, lat, inter, false),
+            ]
+        })
+        .collect();
+    let experts: Vec<ExpertMatrices<'_>> = mats
+        .iter()
+        .map(|[w1, w3, w2]| ExpertMatrices {
+            w1: Matrix::Mxfp4(Mxfp4Matrix::new(&w1.0, &w1.1, inter, lat)),
+            w3: Matrix::Mxfp4(Mxfp4Matrix::new(&w3.0, &w3.1, inter, lat)),
+            w2: Matrix::Mxfp4(Mxfp4Matrix::new(&w2.0, &w2.1, lat, inter)),
+        })
+        .collect();
+    // Expert 2 is never chosen.
+    let ids = vec![0, 3, 1, 0, 3, 1, 0, 1, 3, 0];
+    let weights: Vec<f32> = (0..tokens * top_k).map(|i| 0.3 + 0.1 * i as f32).collect();
+    let routing = Routing { ids, weights, scores: Vec::new(), margins: vec![0.0; tokens], top_k };
+    let z: Vec<f32> = rng.vec(tokens * lat).into_iter().map(|v| v * 2.0).collect();
+    let act = SituParams { beta: 1.0, linear_beta: Some(0.5) };
+    for (first, local) in [(0usize, 0..n_exp), (1, 1..3)] {
+        let (mut want, mut got) = (vec![0f32; tokens * lat], vec![f32::NAN; tokens * lat]);
+        CpuBackend.moe_experts(&experts[local.clone()], first, &routing, &z, act, &mut want);
+        be.moe_experts(&experts[local.clone()], first, &routing, &z, act, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "experts {local:?} [{i}]: {g} vs {w}");
+        }
+    }
+    assert!(dev.launches().get("triton_moe_mxfp4").is_some_and(|&n| n == 6), "{:?}", dev.launches());
+}

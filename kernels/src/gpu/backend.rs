@@ -12,10 +12,11 @@
 //! paged latent cache, the merge of context-parallel partials, the indexer's scores (its top-k on
 //! the host) and the vision tower's attention (Triton, when the device has their builds);
 //! embedding, RMSNorm, gated RMSNorm, SiLU / SiTU GLU, GELU, both RoPEs, AttnRes, KDA's
-//! convolution and decode step, the router (kpl). On the CPU backend still: KDA prefill chunks and
-//! speculative verifies, MLA attention over indexer selections, MLA absorb / lift, grouped
-//! experts, layer norm, adds and the output gate (Triton builds of KDA chunked prefill and grouped
-//! MoE exist; their launches from here are not written).
+//! convolution and decode step, the router (kpl); MXFP4 routed experts as grouped products
+//! (Triton) around SiTU (kpl). On the CPU backend still: KDA prefill chunks and speculative
+//! verifies, MLA attention over indexer selections, MLA absorb / lift, BF16 experts, layer norm,
+//! adds and the output gate (a Triton build of KDA chunked prefill exists; its launch from here is
+//! not written).
 //!
 //! The Triton launches are checked in CI by replaying them in Triton's interpreter
 //! (`kimi-kpl-host`'s `HostDevice::with_triton`).
@@ -145,6 +146,140 @@ impl GpuBackend {
         unsafe { self.dev.copy_in(p, bytes)? };
         map.insert(key, Resident { ptr: p, sample: s });
         Ok(p)
+    }
+
+    /// The resident device copy of several host arrays laid end to end (every expert's matrix of
+    /// one kind, as the grouped product reads them), made on first use and re-made if any of
+    /// them changes.
+    fn stacked(&self, parts: &[&[u8]]) -> Result<u64, GpuError> {
+        let Some(head) = parts.first() else { return self.dev.alloc(0) };
+        // The key: the first part's address and the number of parts; the sample covers all.
+        let key = (head.as_ptr() as usize, usize::MAX - parts.len());
+        let s: Vec<u8> = parts.iter().flat_map(|p| sample(p)).collect();
+        let mut map = self.resident.lock();
+        if let Some(r) = map.get(&key) {
+            if r.sample == s {
+                return Ok(r.ptr);
+            }
+            // SAFETY: allocated here; no launch is pending on it (every staged op finishes).
+            unsafe { self.dev.free(r.ptr) };
+            map.remove(&key);
+        }
+        let bytes: Vec<u8> = parts.concat();
+        let p = self.dev.alloc(bytes.len())?;
+        // SAFETY: p was just allocated with bytes.len() bytes.
+        unsafe { self.dev.copy_in(p, &bytes)? };
+        map.insert(key, Resident { ptr: p, sample: s });
+        Ok(p)
+    }
+
+    /// Routed experts on `triton_moe_mxfp4`: the batch's (token, choice) pairs grouped by expert,
+    /// `w1` and `w3` as two grouped products over the gathered tokens, SiTU (kpl), `w2` as a third,
+    /// then each token's weighted sum in expert-id order on the host, as the CPU backend adds.
+    /// `false` unless every expert is MXFP4 of one shape.
+    fn try_moe_experts(
+        &self,
+        experts: &[ExpertMatrices<'_>],
+        first: usize,
+        routing: &Routing,
+        z: &[f32],
+        act: SituParams,
+        out: &mut [f32],
+    ) -> Result<bool, GpuError> {
+        fn mx<'a>(m: &Matrix<'a>) -> Option<crate::Mxfp4Matrix<'a>> {
+            match m {
+                Matrix::Mxfp4(m) => Some(*m),
+                _ => None,
+            }
+        }
+        let Some(e0) = experts.first() else { return Ok(false) };
+        let (Some(a1), Some(a2)) = (mx(&e0.w1), mx(&e0.w2)) else { return Ok(false) };
+        let (inter, lat) = (a1.rows, a1.cols);
+        let same = experts.iter().all(|e| {
+            [(&e.w1, inter, lat), (&e.w3, inter, lat), (&e.w2, lat, inter)]
+                .iter()
+                .all(|(m, r, c)| mx(m).is_some_and(|m| m.rows == *r && m.cols == *c))
+        });
+        if !self.has("triton_moe_mxfp4") || !same || a2.rows != lat || lat == 0 || inter == 0 {
+            return Ok(false);
+        }
+        let tokens = z.len() / lat;
+        assert!(z.len() == tokens * lat && out.len() == tokens * lat, "moe_experts: shapes");
+        out.fill(0.0);
+        // Pairs grouped by local expert, tokens in order within a group (as the CPU backend).
+        let n_exp = experts.len();
+        let local = |k: usize| routing.ids[k].checked_sub(first).filter(|&e| e < n_exp);
+        let picks = (tokens * routing.top_k).min(routing.ids.len());
+        let mut offsets = vec![0i32; n_exp + 1];
+        for k in 0..picks {
+            if let Some(e) = local(k) {
+                offsets[e + 1] += 1;
+            }
+        }
+        for e in 0..n_exp {
+            offsets[e + 1] += offsets[e];
+        }
+        let pairs = offsets[n_exp] as usize;
+        if pairs == 0 {
+            return Ok(true);
+        }
+        let mut rows = vec![0i32; pairs];
+        let mut weights = vec![0f32; pairs];
+        let mut next: Vec<usize> = offsets.iter().map(|&o| o as usize).collect();
+        for k in 0..picks {
+            if let Some(e) = local(k) {
+                rows[next[e]] = (k / routing.top_k) as i32;
+                weights[next[e]] = routing.weights[k];
+                next[e] += 1;
+            }
+        }
+        let biggest = (0..n_exp).map(|e| offsets[e + 1] - offsets[e]).max().unwrap_or(0) as usize;
+        // Every expert's codes and scales of one matrix: w1 (0), w3 (1) or w2 (2).
+        let pick = |which: usize| -> (Vec<&[u8]>, Vec<&[u8]>) {
+            experts
+                .iter()
+                .map(|e| match [e.w1, e.w3, e.w2][which] {
+                    Matrix::Mxfp4(m) => (m.packed, m.scales),
+                    _ => (&[][..], &[][..]),
+                })
+                .unzip()
+        };
+        let identity: Vec<i32> = (0..pairs as i32).collect();
+        let (mut a, mut u, mut y) = (vec![0f32; pairs * inter], vec![0f32; pairs * inter], vec![0f32; pairs * lat]);
+        let dev = &*self.dev;
+        // One grouped product: `dst[p] = W_{expert(p)} · src[rows[p]]`.
+        let grouped =
+            |which: usize, src: &[f32], rows: &[i32], n: usize, k: usize, dst: &mut [f32]| -> Result<(), GpuError> {
+                let (q, sc) = pick(which);
+                let mut st = Stage::new(dev);
+                let args = [
+                    KernelArg::Ptr(st.input(src)?),
+                    KernelArg::Ptr(st.input(rows)?),
+                    KernelArg::Ptr(st.input(&offsets)?),
+                    KernelArg::Ptr(self.stacked(&q)?),
+                    KernelArg::Ptr(self.stacked(&sc)?),
+                    KernelArg::Ptr(st.output(dst)?),
+                    KernelArg::I32(n as i32),
+                    KernelArg::I32(k as i32),
+                    KernelArg::I32(k as i32),
+                    KernelArg::I32(n as i32),
+                ];
+                // The build's tiles (kernels/triton/aot.py): 16 pairs by 64 outputs a program.
+                let grid = (n_exp as u32, biggest.div_ceil(16) as u32, n.div_ceil(64) as u32);
+                // SAFETY: src holds the rows the pairs name (k values each), the stacked weights every
+                // expert's [n, k] MXFP4 matrix, dst pairs × n values; the stage keeps them.
+                unsafe { launch_triton(dev, "triton_moe_mxfp4", grid, &args)? };
+                st.finish()
+            };
+        grouped(0, z, &rows, inter, lat, &mut a)?;
+        grouped(1, z, &rows, inter, lat, &mut u)?;
+        self.try_glu(&mut a, &u, Some(act))?;
+        grouped(2, &a, &identity, lat, inter, &mut y)?;
+        for (p, (&t, &w)) in rows.iter().zip(&weights).enumerate() {
+            let t = t as usize;
+            crate::cpu::simd::axpy(w, &y[p * lat..(p + 1) * lat], &mut out[t * lat..(t + 1) * lat]);
+        }
+        Ok(true)
     }
 
     /// Blocks for a grid-stride kernel over `n` values: enough to cover them, at most what fills
@@ -1030,6 +1165,10 @@ impl Backend for GpuBackend {
         act: SituParams,
         out: &mut [f32],
     ) {
-        self.cpu.moe_experts(experts, first, routing, z, act, out)
+        match self.try_moe_experts(experts, first, routing, z, act, out) {
+            Ok(true) => {}
+            Ok(false) => self.cpu.moe_experts(experts, first, routing, z, act, out),
+            Err(e) => fatal("moe_experts", e),
+        }
     }
 }

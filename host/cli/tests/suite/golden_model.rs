@@ -298,7 +298,7 @@ fn goldens_pass_through_the_gpu_backend_with_its_triton_kernels() {
     // Each model with the Triton kernels it must have run on the "device".
     for (name, wave, kernels) in [
         ("k3-tiny", 64, &["triton_matmul_bf16", "triton_mla_decode"][..]),
-        ("k3-tiny-mxfp4", 64, &["triton_matmul_bf16", "triton_mla_decode"][..]),
+        ("k3-tiny-mxfp4", 64, &["triton_matmul_bf16", "triton_mla_decode", "triton_moe_mxfp4"][..]),
         ("k31-tiny-indexer", 32, &["triton_matmul_bf16", "triton_indexer_scores"][..]),
     ] {
         let dev = std::sync::Arc::new(
