@@ -107,6 +107,45 @@ impl Drop for Stage<'_> {
     }
 }
 
+/// What the paged kernels (MLA decode, the indexer's scores) read: one arena of the sequences'
+/// held pages (each `page_tokens × width` values), a page table `[sequences, max_pages]` naming
+/// arena pages or −1 (a hole another context-parallel rank holds, or past a sequence's pages), and
+/// each query token's sequence and position. The table covers every position a token may look at:
+/// the kernels read it at each block they visit.
+struct PagedInputs {
+    arena: Vec<f32>,
+    table: Vec<i32>,
+    max_pages: usize,
+    seqs: Vec<i32>,
+    pos: Vec<i32>,
+}
+
+impl PagedInputs {
+    /// `caches` share one page size and width (the callers check).
+    fn new(caches: &[PagedRows<'_>], rows: &[(usize, usize)]) -> PagedInputs {
+        let (page_tokens, width) = caches.first().map_or((1, 1), |c| (c.page_tokens.max(1), c.width));
+        let max_pages =
+            caches.iter().map(|c| c.pages.len()).chain(rows.iter().map(|r| r.1 / page_tokens + 1)).max().unwrap_or(1);
+        let page = page_tokens * width;
+        let mut arena = Vec::new();
+        let mut table = vec![-1i32; caches.len() * max_pages];
+        for (s, c) in caches.iter().enumerate() {
+            for (i, p) in c.pages.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+                table[s * max_pages + i] = (arena.len() / page) as i32;
+                let n = p.len().min(page);
+                arena.extend_from_slice(&p[..n]);
+                arena.resize(arena.len() + page - n, 0.0);
+            }
+        }
+        if arena.is_empty() {
+            arena.resize(page.max(1), 0.0);
+        }
+        let seqs = rows.iter().map(|r| r.0 as i32).collect();
+        let pos = rows.iter().map(|r| r.1 as i32).collect();
+        PagedInputs { arena, table, max_pages, seqs, pos }
+    }
+}
+
 /// A device failure inside an op: the [`Backend`] trait has no error path (the CPU backend
 /// cannot fail), so it is fatal, as a failed kernel is in every GPU engine.
 fn fatal(op: &str, e: GpuError) -> ! {
@@ -404,13 +443,7 @@ impl GpuBackend {
                 && rows.iter().all(|&(seq, _)| seq < caches.len()),
             "mla_attention: shapes"
         );
-        // The table covers every position a token may look at (the kernel reads the table at
-        // each block it visits), with −1 past a sequence's pages.
-        let max_pages =
-            caches.iter().map(|c| c.pages.len()).chain(rows.iter().map(|r| r.1 / page_tokens + 1)).max().unwrap_or(1);
-        let (arena, table) = Self::page_arena(caches, max_pages);
-        let seqs: Vec<i32> = rows.iter().map(|r| r.0 as i32).collect();
-        let pos: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
+        let PagedInputs { arena, table, max_pages, seqs, pos } = PagedInputs::new(caches, rows);
         // One split covers every position of the table.
         let split_tokens = max_pages * page_tokens;
         let mut scratch_lse;
@@ -447,27 +480,6 @@ impl GpuBackend {
         unsafe { launch_triton(dev, "triton_mla_decode", grid, &args)? };
         st.finish()?;
         Ok(true)
-    }
-
-    /// A page arena of `caches`' held pages and their table (−1 for a hole or past a sequence's
-    /// pages), `max_pages` entries a sequence, each page `page_tokens × width` values.
-    fn page_arena(caches: &[PagedRows<'_>], max_pages: usize) -> (Vec<f32>, Vec<i32>) {
-        let Some(first) = caches.first() else { return (vec![0.0], vec![-1; max_pages]) };
-        let page = first.page_tokens * first.width;
-        let mut arena = Vec::new();
-        let mut table = vec![-1i32; caches.len() * max_pages];
-        for (s, c) in caches.iter().enumerate() {
-            for (i, p) in c.pages.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-                table[s * max_pages + i] = (arena.len() / page) as i32;
-                let n = p.len().min(page);
-                arena.extend_from_slice(&p[..n]);
-                arena.resize(arena.len() + page - n, 0.0);
-            }
-        }
-        if arena.is_empty() {
-            arena.resize(page.max(1), 0.0);
-        }
-        (arena, table)
     }
 
     /// The K3.1 indexer's scores on `triton_indexer_scores` over a staged key arena, the top-k
@@ -507,12 +519,8 @@ impl GpuBackend {
             q.len() == tokens * heads * d && w.len() == tokens * heads && rows.iter().all(|&(s, _)| s < keys.len()),
             "indexer_topk: shapes"
         );
-        let max_pages =
-            keys.iter().map(|c| c.pages.len()).chain(rows.iter().map(|r| r.1 / page_tokens + 1)).max().unwrap_or(1);
-        let (arena, table) = Self::page_arena(keys, max_pages);
+        let PagedInputs { arena, table, max_pages, seqs, pos } = PagedInputs::new(keys, rows);
         let s_max = rows.iter().map(|r| r.1 + 1).max().unwrap_or(1);
-        let seqs: Vec<i32> = rows.iter().map(|r| r.0 as i32).collect();
-        let pos: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
         let mut scores = vec![0f32; tokens * s_max];
         {
             let dev = &*self.dev;
