@@ -787,3 +787,53 @@ fn gpu_backend_moe_experts_match_the_cpu_backend_in_the_interpreter() {
     }
     assert!(dev.launches().get("triton_moe_mxfp4").is_some_and(|&n| n == 6), "{:?}", dev.launches());
 }
+
+/// The GPU backend's KDA over packed prefill spans (40, 17, 1 tokens and an empty one: the chunked
+/// Triton kernel, its per-token preparation on the host) replayed in the interpreter against the
+/// CPU backend, outputs and states; then a decode step (the kpl kernel) from those states.
+#[test]
+fn gpu_backend_kda_prefill_matches_the_cpu_backend_in_the_interpreter() {
+    use kimi_kernels::gpu::backend::GpuBackend;
+    use kimi_kernels::{KdaInputs, KdaParams, KdaSlot, SeqSpan};
+    let Some(python) = tools_python() else { return };
+    let dev = std::sync::Arc::new(kimi_kpl_host::HostDevice::with_triton(32, Path::new(&python)).expect("signatures"));
+    let be = GpuBackend::new(dev.clone());
+    let mut rng = Rng(0x7a11_c0de_0000_0042);
+    let (h, k) = (2usize, 24usize);
+    let width = h * k;
+    let a_exp: Vec<f32> = (0..h).map(|i| 0.5 + i as f32).collect();
+    let dt_bias = rng.vec(width);
+    let p = KdaParams { heads: h, head_dim: k, a_exp: &a_exp, dt_bias: &dt_bias, lower_bound: -5.0 };
+    let close = |g: &[f32], w: &[f32], what: &str| {
+        for (i, (g, w)) in g.iter().zip(w).enumerate() {
+            assert!((g - w).abs() <= 2e-5 * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
+        }
+    };
+    let states0: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(h * k * k).into_iter().map(|x| 0.3 * x).collect()).collect();
+    let (mut want_states, mut got_states) = (states0.clone(), states0.clone());
+    for lens in [vec![40usize, 17, 1, 0], vec![1, 1, 1, 1]] {
+        let tokens: usize = lens.iter().sum();
+        let mut at = 0;
+        let spans: Vec<SeqSpan> = lens
+            .iter()
+            .map(|&len| {
+                let s = SeqSpan { start: at, len, pos: 3 };
+                at += len;
+                s
+            })
+            .collect();
+        let (q, kk, v, z) =
+            (rng.vec(tokens * width), rng.vec(tokens * width), rng.vec(tokens * width), rng.vec(tokens * width));
+        let beta = rng.vec(tokens * h);
+        let x = KdaInputs { q: &q, k: &kk, v: &v, z: &z, beta_logits: &beta };
+        let (mut want, mut got) = (vec![0f32; tokens * width], vec![f32::NAN; tokens * width]);
+        let mut slots: Vec<KdaSlot<'_>> = want_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
+        CpuBackend.kda_recurrence(&p, &x, &spans, &mut slots, &mut want);
+        let mut slots: Vec<KdaSlot<'_>> = got_states.iter_mut().map(|s| KdaSlot::new(s)).collect();
+        be.kda_recurrence(&p, &x, &spans, &mut slots, &mut got);
+        close(&got, &want, &format!("{lens:?}: out"));
+        close(&got_states.concat(), &want_states.concat(), &format!("{lens:?}: states"));
+    }
+    let runs = dev.launches();
+    assert!(runs.get("triton_kda_chunk_prefill") == Some(&1) && runs.get("kpl_kda_decode_f32") == Some(&1), "{runs:?}");
+}

@@ -13,10 +13,9 @@
 //! the host) and the vision tower's attention (Triton, when the device has their builds);
 //! embedding, RMSNorm, gated RMSNorm, SiLU / SiTU GLU, GELU, both RoPEs, AttnRes, KDA's
 //! convolution and decode step, the router (kpl); MXFP4 routed experts as grouped products
-//! (Triton) around SiTU (kpl). On the CPU backend still: KDA prefill chunks and speculative
-//! verifies, MLA attention over indexer selections, MLA absorb / lift, BF16 experts, layer norm,
-//! adds and the output gate (a Triton build of KDA chunked prefill exists; its launch from here is
-//! not written).
+//! (Triton) around SiTU (kpl); KDA over prefill chunks (Triton, its per-token preparation on the
+//! host). On the CPU backend still: KDA's speculative verifies (per-token snapshots), MLA attention
+//! over indexer selections, MLA absorb / lift, BF16 experts, layer norm, adds and the output gate.
 //!
 //! The Triton launches are checked in CI by replaying them in Triton's interpreter
 //! (`kimi-kpl-host`'s `HostDevice::with_triton`).
@@ -858,6 +857,80 @@ impl GpuBackend {
         st.finish()
     }
 
+    /// KDA over a batch of packed spans on `triton_kda_chunk_prefill` (fla's chunked form, chunks
+    /// of 16): the per-token preparation the CPU backend does — L2-normalised q (scaled) and k, the
+    /// log decays `lower_bound · σ(a_exp · (z + dt_bias))`, β = σ(logits) — on the host, the
+    /// recurrence on the device over the sequences' stacked slots.
+    fn try_kda_prefill(
+        &self,
+        p: &KdaParams<'_>,
+        x: &KdaInputs<'_>,
+        spans: &[SeqSpan],
+        slots: &mut [KdaSlot<'_>],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        use crate::cpu::elementwise::sigmoid;
+        use crate::cpu::norm::l2_normalize;
+        const BLOCK_V: usize = 32;
+        let (h, k) = (p.heads, p.head_dim);
+        let width = h * k;
+        let tokens: usize = spans.iter().map(|s| s.len).sum();
+        assert!(
+            [x.q, x.k, x.v, x.z].iter().all(|a| a.len() >= tokens * width)
+                && x.beta_logits.len() >= tokens * h
+                && out.len() >= tokens * width
+                && p.a_exp.len() >= h
+                && p.dt_bias.len() >= width,
+            "kda_recurrence: shapes"
+        );
+        let scale = 1.0 / (k as f32).sqrt();
+        let (mut q, mut kk) = (x.q[..tokens * width].to_vec(), x.k[..tokens * width].to_vec());
+        for r in 0..tokens * h {
+            let row = r * k..(r + 1) * k;
+            l2_normalize(&mut q[row.clone()], 1e-6);
+            q[row.clone()].iter_mut().for_each(|v| *v *= scale);
+            l2_normalize(&mut kk[row], 1e-6);
+        }
+        let g: Vec<f32> = (0..tokens * width)
+            .map(|i| {
+                let c = i % width;
+                p.lower_bound * sigmoid(p.a_exp[c / k] * (x.z[i] + p.dt_bias[c]))
+            })
+            .collect();
+        let beta: Vec<f32> = x.beta_logits[..tokens * h].iter().map(|&b| sigmoid(b)).collect();
+        let mut cu = vec![0i32];
+        for s in spans {
+            cu.push(cu[cu.len() - 1] + s.len as i32);
+        }
+        let mut state: Vec<f32> = slots.iter().flat_map(|s| s.state[..h * k * k].iter().copied()).collect();
+        {
+            let dev = &*self.dev;
+            let mut st = Stage::new(dev);
+            let args = [
+                KernelArg::Ptr(st.input(&q)?),
+                KernelArg::Ptr(st.input(&kk)?),
+                KernelArg::Ptr(st.input(&x.v[..tokens * width])?),
+                KernelArg::Ptr(st.input(&g)?),
+                KernelArg::Ptr(st.input(&beta)?),
+                KernelArg::Ptr(st.output(&mut state)?),
+                KernelArg::Ptr(st.output(&mut out[..tokens * width])?),
+                KernelArg::Ptr(st.input(&cu)?),
+                KernelArg::I32(h as i32),
+                KernelArg::I32(k as i32),
+                KernelArg::I32(k as i32),
+            ];
+            let grid = (spans.len() as u32, h as u32, k.div_ceil(BLOCK_V) as u32);
+            // SAFETY: q, k, v, g hold tokens × heads × k values, β tokens × heads, the states one
+            // [heads, k, k] block a sequence, cu the spans' packed boundaries (checked or built).
+            unsafe { launch_triton(dev, "triton_kda_chunk_prefill", grid, &args)? };
+            st.finish()?;
+        }
+        for (slot, s) in slots.iter_mut().zip(state.chunks_exact(h * k * k)) {
+            slot.state[..h * k * k].copy_from_slice(s);
+        }
+        Ok(())
+    }
+
     fn try_gated_rms_norm(
         &self,
         o: &[f32],
@@ -1063,18 +1136,26 @@ impl Backend for GpuBackend {
         slots: &mut [KdaSlot<'_>],
         out: &mut [f32],
     ) {
-        // The decode kernel takes one token a sequence and keeps no snapshots; prefill chunks and
-        // speculative verifies stay on the CPU backend.
+        // One token a sequence: the decode kernel (kpl); packed spans of any length: the chunked
+        // kernel (Triton). Speculative verifies (per-token snapshots) stay on the CPU backend.
         let (h, n) = (p.heads, p.head_dim);
-        let decode = !spans.is_empty() && spans.iter().enumerate().all(|(i, s)| s.len == 1 && s.start == i);
-        if !decode
-            || n > 256
-            || slots.len() != spans.len()
-            || slots.iter().any(|s| s.state.len() < h * n * n || !s.after_token.is_empty())
-        {
-            return self.cpu.kda_recurrence(p, x, spans, slots, out);
+        let mut at = 0;
+        let packed = !spans.is_empty()
+            && spans.iter().all(|s| {
+                let ok = s.start == at;
+                at += s.len;
+                ok
+            });
+        let plain = packed
+            && slots.len() == spans.len()
+            && slots.iter().all(|s| s.state.len() >= h * n * n && s.after_token.is_empty());
+        if plain && n <= 256 && spans.iter().all(|s| s.len == 1) {
+            return self.try_kda_decode(p, x, slots, out).unwrap_or_else(|e| fatal("kda_recurrence", e));
         }
-        self.try_kda_decode(p, x, slots, out).unwrap_or_else(|e| fatal("kda_recurrence", e))
+        if plain && self.has("triton_kda_chunk_prefill") {
+            return self.try_kda_prefill(p, x, spans, slots, out).unwrap_or_else(|e| fatal("kda_recurrence", e));
+        }
+        self.cpu.kda_recurrence(p, x, spans, slots, out)
     }
 
     fn gated_rms_norm(&self, o: &[f32], gate: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

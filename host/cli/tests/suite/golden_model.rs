@@ -297,9 +297,13 @@ fn goldens_pass_through_the_gpu_backend_with_its_triton_kernels() {
     let Some(python) = common::gpu_tools_python() else { return };
     // Each model with the Triton kernels it must have run on the "device".
     for (name, wave, kernels) in [
-        ("k3-tiny", 64, &["triton_matmul_bf16", "triton_mla_decode"][..]),
-        ("k3-tiny-mxfp4", 64, &["triton_matmul_bf16", "triton_mla_decode", "triton_moe_mxfp4"][..]),
-        ("k31-tiny-indexer", 32, &["triton_matmul_bf16", "triton_indexer_scores"][..]),
+        ("k3-tiny", 64, &["triton_matmul_bf16", "triton_mla_decode", "triton_kda_chunk_prefill"][..]),
+        (
+            "k3-tiny-mxfp4",
+            64,
+            &["triton_matmul_bf16", "triton_mla_decode", "triton_moe_mxfp4", "triton_kda_chunk_prefill"][..],
+        ),
+        ("k31-tiny-indexer", 32, &["triton_matmul_bf16", "triton_indexer_scores", "triton_kda_chunk_prefill"][..]),
     ] {
         let dev = std::sync::Arc::new(
             HostDevice::with_triton(wave, std::path::Path::new(&python)).expect("the replay server starts"),
