@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, mul_exp_diff, simd_level};
+use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, gemm_rows, mul_exp_diff, simd_level};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -70,6 +70,10 @@ pub struct ChunkScratch {
     qs: Vec<f32>,
     ks: Vec<f32>,
     kr: Vec<f32>,
+    /// `[n, K]` rows multiplied into the state at once (−k_i ⊙ e^{Γ_i}, then q_i ⊙ e^{Γ_i}).
+    rows: Vec<f32>,
+    /// `[K, n]`: k_i ⊙ e^{Γ_C − Γ_i} transposed, for the state update.
+    krt: Vec<f32>,
 }
 
 /// Processes `n ≤ CHUNK` tokens of one head in the WY/UT form and advances `state`.
@@ -150,54 +154,55 @@ pub fn kda_chunk(
         }
     }
     let gam = &s.gamma;
-    // Δ = (I + A_kk)⁻¹ diag(β) (v − (e^Γ ⊙ k) S₀) by forward substitution, row by row.
+    // Δ = (I + A_kk)⁻¹ diag(β) (v − (e^Γ ⊙ k) S₀) by forward substitution, row by row; the
+    // products with S₀ of every row at once first (each row's chain as one row at a time).
     s.delta.clear();
-    s.delta.resize(n * dv, 0.0);
-    s.tmp.clear();
-    s.tmp.resize(dk, 0.0);
+    s.delta.extend_from_slice(&v[..n * dv]);
+    s.rows.clear();
+    s.rows.resize(n * dk, 0.0);
     for i in 0..n {
-        let gi = &gam[i * dk..(i + 1) * dk];
-        let ki = &k[i * dk..(i + 1) * dk];
+        let r = &mut s.rows[i * dk..(i + 1) * dk];
+        mul_exp_diff(&k[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk], None, r);
+        r.iter_mut().for_each(|t| *t = -*t);
+    }
+    gemm_rows(&s.rows, dk, &state[..dk * dv], &mut s.delta);
+    for i in 0..n {
         let (done, rest) = s.delta.split_at_mut(i * dv);
         let di = &mut rest[..dv];
-        di.copy_from_slice(&v[i * dv..(i + 1) * dv]);
-        mul_exp_diff(ki, gi, None, &mut s.tmp);
-        s.tmp.iter_mut().for_each(|t| *t = -*t);
-        axpy_rows(&s.tmp, &state[..dk * dv], di);
         di.iter_mut().for_each(|x| *x *= beta[i]);
         s.coef.clear();
         s.coef.extend(s.akk[i * n..i * n + i].iter().map(|a| -a));
         axpy_rows(&s.coef, &done[..i * dv], di);
     }
-    // O_i = (q_i ⊙ e^{Γ_i}) S₀ + Σ_{j≤i} A_qk[i,j] Δ_j.
+    // O_i = (q_i ⊙ e^{Γ_i}) S₀ + Σ_{j≤i} A_qk[i,j] Δ_j (A_qk is zero above the diagonal).
     for i in 0..n {
-        let gi = &gam[i * dk..(i + 1) * dk];
-        let qi = &q[i * dk..(i + 1) * dk];
-        let oi = &mut out[i * dv..(i + 1) * dv];
-        oi.fill(0.0);
-        mul_exp_diff(qi, gi, None, &mut s.tmp);
-        axpy_rows(&s.tmp, &state[..dk * dv], oi);
-        axpy_rows(&s.aqk[i * n..i * n + i + 1], &s.delta[..(i + 1) * dv], oi);
+        mul_exp_diff(&q[i * dk..(i + 1) * dk], &gam[i * dk..(i + 1) * dk], None, &mut s.rows[i * dk..(i + 1) * dk]);
     }
+    let out = &mut out[..n * dv];
+    out.fill(0.0);
+    gemm_rows(&s.rows, dk, &state[..dk * dv], out);
+    gemm_rows(&s.aqk, n, &s.delta, out);
     // S_C = diag(e^{Γ_C}) S₀ + Σ_i (k_i ⊙ e^{Γ_C − Γ_i}) Δ_iᵀ.
     let last = &gam[(n - 1) * dk..n * dk];
-    // k_i ⊙ e^{Γ_C − Γ_i} for every token, row by row (the columns are read below).
     s.kr.clear();
-    s.kr.resize(n * dk, 0.0);
+    s.kr.resize(dk, 0.0);
+    s.krt.clear();
+    s.krt.resize(dk * n, 0.0);
     for i in 0..n {
-        mul_exp_diff(&k[i * dk..(i + 1) * dk], last, Some(&gam[i * dk..(i + 1) * dk]), &mut s.kr[i * dk..(i + 1) * dk]);
+        mul_exp_diff(&k[i * dk..(i + 1) * dk], last, Some(&gam[i * dk..(i + 1) * dk]), &mut s.kr);
+        for (c, v) in s.kr.iter().enumerate() {
+            s.krt[c * n + i] = *v;
+        }
     }
-    s.tmp.fill(1.0);
+    s.tmp.clear();
+    s.tmp.resize(dk, 1.0);
     s.qs.resize(dk, 0.0);
     mul_exp_diff(&s.tmp, last, None, &mut s.qs);
     for c in 0..dk {
-        let row = &mut state[c * dv..(c + 1) * dv];
         let d = s.qs[c];
-        row.iter_mut().for_each(|x| *x *= d);
-        s.coef.clear();
-        s.coef.extend((0..n).map(|i| s.kr[i * dk + c]));
-        axpy_rows(&s.coef, &s.delta[..n * dv], row);
+        state[c * dv..(c + 1) * dv].iter_mut().for_each(|x| *x *= d);
     }
+    gemm_rows(&s.krt, n, &s.delta, &mut state[..dk * dv]);
 }
 
 /// Runs `tokens` tokens of one head through the chunked form (chunks of `CHUNK`, last one partial).

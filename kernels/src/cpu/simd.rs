@@ -1,6 +1,7 @@
 //! Runtime-dispatched f32 inner loops: AVX-512F, AVX2+FMA, or portable scalar code.
 //!
-//! The level is detected once; `KIMI_SIMD=scalar|avx2|avx512` forces a lower level (tests use it
+//! The level is detected once; `KIMI_SIMD=scalar|avx2|avx512` forces a lower level (`avx512` also
+//! turns off the AMX tiles of `packed_amx`; `amx`, the default, allows everything; tests use it
 //! to check every path against the scalar one).
 
 use std::sync::OnceLock;
@@ -97,6 +98,27 @@ pub fn axpy_rows(alpha: &[f32], m: &[f32], y: &mut [f32]) {
         _ => {
             for (r, &a) in alpha.iter().enumerate() {
                 axpy(a, &m[r * cols..(r + 1) * cols], y);
+            }
+        }
+    }
+}
+
+/// `y[i, :] += Σ_r a[i, r] · m[r, :]` for every row `i` of `a` (`[n, k]`), `m` `[k, cols]`, `y`
+/// `[n, cols]`: [`axpy_rows`] for many rows at once, with the same chain per output (so the same
+/// bits), reading `m` once per eight rows of `y` instead of once per row.
+pub fn gemm_rows(a: &[f32], k: usize, m: &[f32], y: &mut [f32]) {
+    let cols = m.len().checked_div(k).unwrap_or(0);
+    assert_eq!(m.len(), k * cols, "gemm_rows: m has {} values, not a multiple of {k}", m.len());
+    let n = a.len().checked_div(k).unwrap_or(0);
+    assert_eq!(a.len(), n * k, "gemm_rows: a has {} values, not {n}×{k}", a.len());
+    assert_eq!(y.len(), n * cols, "gemm_rows: y has {} values, want {n}×{cols}", y.len());
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; the shapes were checked above.
+        SimdLevel::Avx512 => unsafe { x86::gemm_rows_avx512(a, k, m, y, cols) },
+        _ => {
+            for (ai, yi) in a.chunks_exact(k.max(1)).zip(y.chunks_exact_mut(cols.max(1))) {
+                axpy_rows(ai, m, yi);
             }
         }
     }
@@ -199,6 +221,46 @@ pub(crate) mod x86 {
                     acc = _mm512_fmadd_ps(_mm512_set1_ps(a), row, acc);
                 }
                 _mm512_mask_storeu_ps(y.as_mut_ptr().add(c), mask, acc);
+            }
+            c += 16;
+        }
+    }
+
+    /// [`super::gemm_rows`]: blocks of 8 rows × 16 columns in registers.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn gemm_rows_avx512(a: &[f32], k: usize, m: &[f32], y: &mut [f32], cols: usize) {
+        const R: usize = 8;
+        let n = y.len() / cols.max(1);
+        let mut c = 0;
+        while c < cols {
+            let mask: __mmask16 = if cols - c >= 16 { 0xffff } else { ((1u32 << (cols - c)) - 1) as __mmask16 };
+            let mut i0 = 0;
+            while i0 < n {
+                let nr = R.min(n - i0);
+                // SAFETY: masked lanes c..min(c+16, cols) of rows i0..i0+nr of y and of m's k
+                // rows; a's rows i0..i0+nr hold k values each.
+                unsafe {
+                    let mut acc = [_mm512_setzero_ps(); R];
+                    for (i, v) in acc.iter_mut().enumerate().take(nr) {
+                        *v = _mm512_maskz_loadu_ps(mask, y.as_ptr().add((i0 + i) * cols + c));
+                    }
+                    for r in 0..k {
+                        let row = _mm512_maskz_loadu_ps(mask, m.as_ptr().add(r * cols + c));
+                        if nr == R {
+                            for (i, v) in acc.iter_mut().enumerate() {
+                                *v = _mm512_fmadd_ps(_mm512_set1_ps(*a.get_unchecked((i0 + i) * k + r)), row, *v);
+                            }
+                        } else {
+                            for (i, v) in acc.iter_mut().enumerate().take(nr) {
+                                *v = _mm512_fmadd_ps(_mm512_set1_ps(*a.get_unchecked((i0 + i) * k + r)), row, *v);
+                            }
+                        }
+                    }
+                    for (i, v) in acc.iter().enumerate().take(nr) {
+                        _mm512_mask_storeu_ps(y.as_mut_ptr().add((i0 + i) * cols + c), mask, *v);
+                    }
+                }
+                i0 += nr;
             }
             c += 16;
         }
