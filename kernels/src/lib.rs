@@ -25,6 +25,7 @@ pub use cpu::bf16::Bf16Matrix;
 pub use cpu::fp8::{Fp8Matrix, f32_to_e4m3, quantize_rows as fp8_quantize_rows};
 pub use cpu::mxfp4::Mxfp4Matrix;
 pub use cpu::packed::PackedMatrix;
+pub use cpu::packed_amx::enabled as amx_enabled;
 pub use cpu::simd::{SimdLevel, simd_level};
 
 /// A weight matrix `[rows, cols]` (PyTorch `[out, in]`) in one of the stored formats.

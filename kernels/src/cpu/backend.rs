@@ -12,7 +12,8 @@ pub struct CpuBackend;
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        format!("cpu ({:?}, {} threads)", super::simd::simd_level(), rayon::current_num_threads())
+        let tiles = if super::packed_amx::enabled() { " + AMX tiles" } else { "" };
+        format!("cpu ({:?}{tiles}, {} threads)", super::simd::simd_level(), rayon::current_num_threads())
     }
 
     fn prepare_matrix(&self, w: &Matrix<'_>) -> Option<PackedMatrix> {

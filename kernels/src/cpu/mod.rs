@@ -26,6 +26,7 @@ pub mod moe;
 pub mod mxfp4;
 pub mod norm;
 pub mod packed;
+pub mod packed_amx;
 pub mod reduce;
 pub mod rope;
 pub mod simd;

@@ -27,6 +27,8 @@ use crate::Matrix;
 
 /// Rows per panel (one 512-bit register of f32).
 pub const PANEL: usize = 16;
+/// Column pairs in one AMX weight tile (32 columns: 16 tile rows of 16 panel rows × 2 BF16).
+pub const TILE_PAIRS: usize = 16;
 /// Panels one task computes together (64 rows: 4 × 16 accumulators per token).
 const GROUP_PANELS: usize = 4;
 /// Tokens multiplied together against a panel group.
@@ -54,11 +56,11 @@ thread_local! {
 pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
-    data: PackedData,
+    pub(crate) data: PackedData,
 }
 
 #[derive(Debug)]
-enum PackedData {
+pub(crate) enum PackedData {
     /// `[panel][pair][row][2]` bf16 bits; an odd last column is paired with a zero.
     Bf16(Vec<u16>),
     /// `nibbles[panel][pair][row]` (column 2q low, 2q+1 high) and `scales[panel][group][row]`
@@ -66,7 +68,10 @@ enum PackedData {
     /// `scaled_chain`: every row's scale exponents (the NaN code aside) lie within
     /// [`MAX_SCALE_SPAN`] of each other, so the register-decoding tiles may run the chain in
     /// scaled coordinates (see `tile_n`); other matrices always take the widened path.
-    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8>, scaled_chain: bool },
+    /// `tile_scales`: every scale lies in [2, 191], so `E2M1 · 2^(s − 127)` is a normal BF16
+    /// below 2^67 and the AMX tiles (`packed_amx`) multiply the scaled codes directly (the cap
+    /// keeps the three activation parts' partial sums from overflowing where one chain would not).
+    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8>, scaled_chain: bool, tile_scales: bool },
     /// `codes[panel][pair][even 16 | odd 16]` E4M3 codes (an odd last column paired with code 0)
     /// and `scales[row]`, padded to whole panels.
     Fp8 { codes: Vec<u8>, scales: Vec<f32> },
@@ -101,8 +106,10 @@ impl PackedMatrix {
         let pairs = cols.div_ceil(2);
         let data = match m {
             Matrix::Bf16(b) => {
-                let mut out = vec![0u16; panels * pairs * PANEL * 2];
-                out.par_chunks_mut(pairs * PANEL * 2).enumerate().for_each(|(p, panel)| {
+                // Whole 32-column blocks per panel, so an AMX tile never reads past a panel.
+                let stride = pairs.next_multiple_of(TILE_PAIRS);
+                let mut out = vec![0u16; panels * stride * PANEL * 2];
+                out.par_chunks_mut(stride * PANEL * 2).enumerate().for_each(|(p, panel)| {
                     for r in 0..PANEL.min(rows - p * PANEL) {
                         let row = b.row(p * PANEL + r);
                         for (c, &v) in row.iter().enumerate() {
@@ -134,7 +141,8 @@ impl PackedMatrix {
                     let (lo, hi) = codes.fold((u8::MAX, 0u8), |(lo, hi), b| (lo.min(b), hi.max(b)));
                     hi.saturating_sub(lo) <= MAX_SCALE_SPAN
                 });
-                PackedData::Mxfp4 { nibbles, scales, scaled_chain }
+                let tile_scales = q.scales.iter().all(|b| (2..=191).contains(b));
+                PackedData::Mxfp4 { nibbles, scales, scaled_chain, tile_scales }
             }
             Matrix::Fp8(f) => {
                 let mut codes = vec![0u8; panels * pairs * PANEL * 2];
@@ -159,8 +167,21 @@ impl PackedMatrix {
         self.rows.div_ceil(PANEL)
     }
 
-    fn pairs(&self) -> usize {
+    pub(crate) fn pairs(&self) -> usize {
         self.cols.div_ceil(2)
+    }
+
+    /// Column pairs a panel holds: BF16 panels are padded to whole [`TILE_PAIRS`] (zeros).
+    pub(crate) fn panel_pairs(&self) -> usize {
+        match self.data {
+            PackedData::Bf16(_) => self.pairs().next_multiple_of(TILE_PAIRS),
+            _ => self.pairs(),
+        }
+    }
+
+    /// Whether products over this matrix run on AMX tiles (`packed_amx`) on this machine.
+    pub fn on_tiles(&self) -> bool {
+        super::packed_amx::takes(self)
     }
 
     /// Bytes held (the stored weight's size, padded to whole panels).
@@ -176,10 +197,11 @@ impl PackedMatrix {
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         let (p, lane) = (r / PANEL, r % PANEL);
         let pairs = self.pairs();
+        let stride = self.panel_pairs();
         for (c, o) in out[..self.cols].iter_mut().enumerate() {
             *o = match &self.data {
                 PackedData::Bf16(v) => {
-                    f32::from_bits((v[((p * pairs + c / 2) * PANEL + lane) * 2 + c % 2] as u32) << 16)
+                    f32::from_bits((v[((p * stride + c / 2) * PANEL + lane) * 2 + c % 2] as u32) << 16)
                 }
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
                     let b = nibbles[(p * pairs + c / 2) * PANEL + lane];
@@ -258,6 +280,9 @@ fn fp8_token_codes_scalar(row: &[f32], out: &mut [f32]) -> f32 {
 
 /// The chains of [`matmul`] over `x` as given.
 fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    if super::packed_amx::takes(w) {
+        return super::packed_amx::matmul(w, x, tokens, out);
+    }
     let (rows, cols) = (w.rows, w.cols);
     let groups = w.panels().div_ceil(GROUP_PANELS);
     // Every task writes a disjoint set of output columns (its own panel group's rows).
@@ -342,7 +367,7 @@ fn decode_pair(w: &PackedMatrix, p: usize, q: usize, we: &mut [f32], wo: &mut [f
     let (cols, pairs) = (w.cols, w.pairs());
     match &w.data {
         PackedData::Bf16(v) => {
-            let base = (p * pairs + q) * PANEL * 2;
+            let base = (p * w.panel_pairs() + q) * PANEL * 2;
             for r in 0..PANEL {
                 we[r] = f32::from_bits((v[base + 2 * r] as u32) << 16);
                 wo[r] = f32::from_bits((v[base + 2 * r + 1] as u32) << 16);
@@ -504,7 +529,7 @@ mod x86 {
                     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
                     for q in 0..pairs {
                         for i in 0..np {
-                            let at = v.as_ptr().add(((p0 + i) * pairs + q) * PANEL * 2);
+                            let at = v.as_ptr().add(((p0 + i) * w.panel_pairs() + q) * PANEL * 2);
                             let raw = _mm512_loadu_si512(at as *const __m512i);
                             _mm512_storeu_ps(dst(q, i), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw)));
                             _mm512_storeu_ps(dst(q, i).add(PANEL), _mm512_castsi512_ps(_mm512_and_si512(raw, high)));
@@ -631,7 +656,8 @@ mod x86 {
             match &w.data {
                 PackedData::Bf16(v) => {
                     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
-                    let at = |p: usize, q: usize| v.as_ptr().add(((p0 + p) * pairs + q) * PANEL * 2);
+                    let stride = w.panel_pairs();
+                    let at = |p: usize, q: usize| v.as_ptr().add(((p0 + p) * stride + q) * PANEL * 2);
                     for q in 0..pairs {
                         let mut we = [_mm512_setzero_ps(); NP];
                         let mut wo = [_mm512_setzero_ps(); NP];

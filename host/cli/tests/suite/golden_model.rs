@@ -244,6 +244,32 @@ fn k31_tiny_indexer_matches_release() {
 /// norm, SiTU, AttnRes, the embedding, the router, KDA's convolution and decode step on the
 /// kernels — at AMD's wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
 /// each GPU thread is an OS thread here, so long prefills through the kernels would take minutes.
+/// On a CPU with AMX tiles the goldens above ran their BF16 and MXFP4 products on the tiles (the
+/// default). This runs them, and the batch-invariance tests, once more with the tiles off
+/// (`KIMI_SIMD=avx512`), so both product paths are held to the goldens on such a machine; other
+/// machines skip it, saying so (the kernels' tests cover their lower levels).
+#[test]
+fn goldens_pass_with_the_amx_tiles_and_without() {
+    if std::env::var_os("KIMI_SIMD").is_some() {
+        return; // already the forced run
+    }
+    if !kimi_kernels::amx_enabled() {
+        eprintln!("skipped: this CPU has no AMX tiles; the goldens ran on {}", kimi_kernels::simd_level().name());
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let filters = ["golden_model::k3_tiny", "golden_model::k31_tiny", "batch::a_sequence_in_a_mixed_batch"];
+    let out = std::process::Command::new(&exe)
+        .env("KIMI_SIMD", "avx512")
+        .args(filters)
+        .args(["--test-threads", "2"])
+        .output()
+        .expect("re-run the golden tests");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "goldens fail with the AMX tiles off:\n{text}");
+    assert!(text.contains("6 passed"), "the forced run ran the three goldens and three batch tests:\n{text}");
+}
+
 #[test]
 fn goldens_pass_through_the_host_built_gpu_kernels() {
     use kimi_kpl_host::host_backend;

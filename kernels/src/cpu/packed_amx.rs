@@ -1,0 +1,573 @@
+//! Matrix products on Intel AMX tiles (`amx_bf16`, `tdpbf16ps`) over the packed panels of BF16
+//! and MXFP4 weights, where the CPU has them (Sapphire Rapids and later).
+//!
+//! **Activations.** The tiles multiply BF16 by BF16 into f32. BF16 activations alone move the
+//! goldens' logits by about 1.4 (their tolerance is 0.013: router choices flip), so each f32
+//! activation is split into three BF16 parts `x = h + m + l` (8 + 8 + 8 significant bits: exact
+//! for normal values), held as three rows of the activation tile. Each part's product with a
+//! BF16 weight is exact in f32, the tile accumulates every row over the columns in f32, and the
+//! output is `(C_h + C_m) + C_l`: f32-accumulation accuracy, like the f32 chains. A tile row costs
+//! the same whether it holds one token or five, so the split is free in memory-bound decode and
+//! triples only the tile work of a prefill, which still runs several times faster than f32 FMA.
+//!
+//! **Weights.** A BF16 panel's 16 column pairs × 16 rows (1 KB) are already an AMX weight tile
+//! (16 rows of pairs, each 16 output rows × 2 values), so BF16 tiles load straight from the
+//! panels. MXFP4 codes are widened to BF16 with their scale folded into the exponent
+//! (`E2M1 · 2^(s − 127)`, exact for scales in [2, 191]; matrices with others take the f32
+//! path) — per 32-column block in decode, once per panel group when several token tiles share it.
+//!
+//! **Invariance.** Every token count takes this path on a CPU that has it (one token is one tile
+//! row group like any other), and a token's outputs depend only on its own rows, so a sequence's
+//! results are the same alone or in any batch. They differ from the f32 chains by rounding;
+//! `KIMI_SIMD=avx512` (or lower) turns the tiles off.
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::disjoint::DisjointOut;
+use super::packed::{PANEL, PackedData, PackedMatrix, TILE_PAIRS};
+
+/// Tokens in one activation tile: three rows each (h, m, l), at most 16 rows.
+const TILE_TOKENS: usize = 5;
+/// Output panels (16 rows each) one task accumulates together: four accumulator tiles.
+const GROUP_PANELS: usize = 4;
+/// Below this many multiply-adds a call runs on the calling thread.
+const SERIAL_WORK: usize = 1 << 16;
+/// BF16 values in one tile row (64 bytes).
+const TILE_COLS: usize = 2 * TILE_PAIRS;
+
+/// Whether the AMX tiles are in use: the CPU has AMX-BF16 (and AVX-512 BW / BF16 for the
+/// conversions), Linux granted the tile data state, and `KIMI_SIMD` does not cap below it.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let capped = std::env::var("KIMI_SIMD").is_ok_and(|v| v != "amx");
+        !capped && detect()
+    })
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    let vector = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512bf16");
+    let leaf7 = vector && __cpuid_count(0, 0).eax >= 7;
+    // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+    let amx = leaf7 && {
+        let edx = __cpuid_count(7, 0).edx;
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+    };
+    // Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA); a kernel without AMX support refuses it.
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these arguments only changes this process's permitted state.
+    amx && unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// Whether [`matmul`] takes `w`: AMX on, and BF16 or MXFP4 with tile-representable scales.
+pub fn takes(w: &PackedMatrix) -> bool {
+    match &w.data {
+        PackedData::Bf16(_) => enabled(),
+        PackedData::Mxfp4 { tile_scales, .. } => *tile_scales && enabled(),
+        PackedData::Fp8 { .. } => false,
+    }
+}
+
+thread_local! {
+    /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
+    static SPLIT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// A task's widened MXFP4 weight tiles, `[panel][block][16 pairs][16 rows][2]` BF16.
+    static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `out[t, r] = Σ_c W[r, c] · x[t, c]` on the tiles; see the module documentation.
+pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    assert!(takes(w), "packed_amx::matmul on a matrix it does not take");
+    let (rows, cols) = (w.rows, w.cols);
+    assert_eq!(x.len(), tokens * cols, "amx matmul: x has {} values, want {tokens}×{cols}", x.len());
+    assert_eq!(out.len(), tokens * rows, "amx matmul: out has {} values, want {tokens}×{rows}", out.len());
+    if tokens == 0 || rows == 0 {
+        return;
+    }
+    let blocks = cols.div_ceil(TILE_COLS);
+    let tiles = tokens.div_ceil(TILE_TOKENS);
+    SPLIT.with(|s| {
+        let mut split = s.borrow_mut();
+        let need = tiles * blocks * PANEL * TILE_COLS;
+        if split.len() < need {
+            split.resize(need, 0);
+        }
+        let split = &mut split[..need];
+        let per_tile = blocks * PANEL * TILE_COLS;
+        // SAFETY (both): `enabled()` (checked by `takes`) includes AVX-512 F / BW / BF16; each
+        // chunk is one token tile's blocks and `x` holds its tokens.
+        let one = |(tile, dst): (usize, &mut [u16])| unsafe {
+            let t0 = tile * TILE_TOKENS;
+            let nt = TILE_TOKENS.min(tokens - t0);
+            x86::split_activations(&x[t0 * cols..(t0 + nt) * cols], nt, cols, dst)
+        };
+        if tiles > 1 && tokens * cols >= SERIAL_WORK / 4 {
+            split.par_chunks_mut(per_tile).enumerate().for_each(one);
+        } else {
+            split.chunks_mut(per_tile).enumerate().for_each(one);
+        }
+        let split: &[u16] = split;
+        let groups = w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
+        let ptr = DisjointOut::new(out);
+        // SAFETY (both): AMX and AVX-512 are enabled; each group task writes only its own rows.
+        let run = |g: usize| unsafe { x86::group(w, split, tokens, g, ptr) };
+        if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
+            (0..groups).for_each(run);
+        } else {
+            (0..groups).into_par_iter().for_each(run);
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TILE_COLS, TILE_PAIRS, TILE_TOKENS, WIDE};
+    use crate::cpu::disjoint::DisjointOut;
+    use crate::cpu::mxfp4::E2M1;
+
+    /// The tile palette: tmm0–3 accumulators (`rows` × 16 f32), tmm4–5 activations (`rows` ×
+    /// 32 BF16), tmm6–7 weights (16 pairs × 16 output rows × 2).
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn new(rows: usize) -> TileConfig {
+            let mut c = [0u8; 64];
+            c[0] = 1;
+            for t in 0..8 {
+                c[16 + 2 * t] = 64;
+                c[48 + t] = if t >= 6 { TILE_PAIRS as u8 } else { rows as u8 };
+            }
+            TileConfig(c)
+        }
+    }
+
+    /// Loads `cfg` into this thread's tile registers.
+    unsafe fn configure(cfg: &TileConfig) {
+        // SAFETY (caller): AMX enabled; the config is 64 aligned bytes.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+    }
+
+    /// Zeroes accumulator `c` (0–3).
+    unsafe fn zero(c: usize) {
+        macro_rules! z {
+            ($($i:literal)*) => {
+                match c {
+                    // SAFETY (caller): tiles configured.
+                    $($i => unsafe { asm!(concat!("tilezero tmm", $i), options(nostack, nomem)) },)*
+                    _ => unreachable!("accumulators are tmm0-3"),
+                }
+            };
+        }
+        z!(0 1 2 3)
+    }
+
+    /// Loads tile `t` (4–7) from `p`, rows of 64 bytes.
+    unsafe fn load(t: usize, p: *const u16) {
+        macro_rules! l {
+            ($($i:literal)*) => {
+                match t {
+                    // SAFETY (caller): tiles configured; `p` holds the configured rows × 64 bytes.
+                    $($i => unsafe {
+                        asm!(concat!("tileloadd tmm", $i, ", [{p} + {s}*1]"), p = in(reg) p, s = in(reg) 64usize,
+                            options(nostack, readonly))
+                    },)*
+                    _ => unreachable!("operands are tmm4-7"),
+                }
+            };
+        }
+        l!(4 5 6 7)
+    }
+
+    /// Accumulator `c` (0–3) += activations `a` (4–5) × weights `b` (6–7).
+    unsafe fn dot(c: usize, a: usize, b: usize) {
+        macro_rules! d {
+            ($(($c:literal $a:literal $b:literal))*) => {
+                match (c, a, b) {
+                    // SAFETY (caller): tiles configured and loaded.
+                    $(($c, $a, $b) => unsafe {
+                        asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+                    },)*
+                    _ => unreachable!("tdpbf16ps over tmm0-3, tmm4-5, tmm6-7"),
+                }
+            };
+        }
+        d!((0 4 6) (0 4 7) (0 5 6) (0 5 7) (1 4 6) (1 4 7) (1 5 6) (1 5 7)
+           (2 4 6) (2 4 7) (2 5 6) (2 5 7) (3 4 6) (3 4 7) (3 5 6) (3 5 7))
+    }
+
+    /// Stores accumulator `c` (0–3) to `p` (rows of 64 bytes).
+    unsafe fn store(c: usize, p: *mut f32) {
+        macro_rules! s {
+            ($($i:literal)*) => {
+                match c {
+                    // SAFETY (caller): tiles configured; `p` holds the configured rows × 64 bytes.
+                    $($i => unsafe {
+                        asm!(concat!("tilestored [{p} + {s}*1], tmm", $i), p = in(reg) p, s = in(reg) 64usize,
+                            options(nostack))
+                    },)*
+                    _ => unreachable!("accumulators are tmm0-3"),
+                }
+            };
+        }
+        s!(0 1 2 3)
+    }
+
+    /// Blocks ahead of the one multiplied whose weight tiles a decode prefetches.
+    const PREFETCH_BLOCKS: usize = 4;
+
+    /// Prefetches the 16 cache lines of the weight tile at `p` into L1.
+    #[inline(always)]
+    unsafe fn prefetch_tile(p: *const u16) {
+        for r in 0..TILE_PAIRS {
+            // SAFETY: a prefetch never faults; `p` lies inside the panel being read.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64 * r)) };
+        }
+    }
+
+    unsafe fn release() {
+        // SAFETY (caller): AMX enabled.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// Splits one token tile's activations (`tokens` ≤ 5 rows of `x`) into BF16 `h + m + l`,
+    /// padded with zeros to whole 32-column blocks: `split[block][3j + part][32]` for token `j`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn split_activations(x: &[f32], tokens: usize, cols: usize, split: &mut [u16]) {
+        let blocks = cols.div_ceil(TILE_COLS);
+        let widen = |b: __m256bh| -> __m512 {
+            // SAFETY: __m256bh and __m256i are the same 32 bytes.
+            let raw: __m256i = unsafe { std::mem::transmute(b) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+        };
+        for t in 0..tokens {
+            let (tile, j) = (t / TILE_TOKENS, t % TILE_TOKENS);
+            let row = &x[t * cols..(t + 1) * cols];
+            for b in 0..blocks {
+                let at = ((tile * blocks + b) * PANEL + 3 * j) * TILE_COLS;
+                for half in 0..2 {
+                    let c0 = b * TILE_COLS + 16 * half;
+                    let n = cols.saturating_sub(c0).min(16);
+                    let mask: __mmask16 = if n >= 16 { 0xffff } else { (1u16 << n) - 1 };
+                    // SAFETY: the mask limits the load to the row's columns c0..c0+n.
+                    let v = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(c0.min(cols))) };
+                    let h = _mm512_cvtneps_pbh(v);
+                    let r = _mm512_sub_ps(v, widen(h));
+                    let m = _mm512_cvtneps_pbh(r);
+                    let l = _mm512_cvtneps_pbh(_mm512_sub_ps(r, widen(m)));
+                    for (part, p) in [h, m, l].into_iter().enumerate() {
+                        let dst = &mut split[at + part * TILE_COLS + 16 * half..][..16];
+                        // SAFETY: 16 u16 fit in `dst`.
+                        unsafe {
+                            _mm256_storeu_si256(
+                                dst.as_mut_ptr() as *mut __m256i,
+                                std::mem::transmute::<__m256bh, __m256i>(p),
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Widens panel `p`'s MXFP4 block `g` (32 columns) into a weight tile at `dst` (512 BF16):
+    /// `E2M1(code) · 2^(s − 127)` by adding `(s − 127) << 7` to the code's BF16 exponent
+    /// (zeros stay zero).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn widen_block(
+        nibbles: &[u8],
+        scales: &[u8],
+        pairs: usize,
+        groups: usize,
+        p: usize,
+        g: usize,
+        dst: *mut u16,
+    ) {
+        let mut lut = [0u16; 32];
+        for (l, v) in lut.iter_mut().zip(E2M1) {
+            *l = (v.to_bits() >> 16) as u16;
+        }
+        // SAFETY: all pointers below lie in panel p's codes and scales (the caller's p, g exist);
+        // dst holds 512 values.
+        unsafe {
+            let lut = _mm512_loadu_si512(lut.as_ptr() as *const __m512i);
+            let s =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.as_ptr().add((p * groups + g) * PANEL) as *const __m128i));
+            let e = _mm512_slli_epi32::<7>(_mm512_sub_epi32(s, _mm512_set1_epi32(127)));
+            let shift = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<16>(e));
+            let nib = _mm512_set1_epi32(0x000f_000f);
+            let magnitude = _mm512_set1_epi16(0x7fff);
+            for k in 0..TILE_PAIRS {
+                let q = g * TILE_PAIRS + k;
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    nibbles.as_ptr().add((p * pairs + q) * PANEL) as *const __m128i
+                ));
+                // Word 2r ← row r's low nibble (column 2q), word 2r+1 ← its high nibble.
+                let idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32::<12>(b)), nib);
+                let v = _mm512_permutexvar_epi16(idx, lut);
+                let nonzero = _mm512_test_epi16_mask(v, magnitude);
+                let v = _mm512_mask_add_epi16(v, nonzero, v, shift);
+                _mm512_storeu_si512(dst.add(k * TILE_COLS) as *mut __m512i, v);
+            }
+        }
+    }
+
+    /// One task: panels `4g..4g+4` (rows `64g..`) for every token.
+    ///
+    /// One token tile (decode) streams the panels through the weight tiles against one
+    /// activation tile. Several run 2 × 2 blocks (two token tiles × two panels: each loaded tile
+    /// feeds two products), since loading a tile costs about as much as a product on it. Every
+    /// accumulator sums the same blocks in the same order either way.
+    ///
+    /// SAFETY (caller): AMX and AVX-512 F / BW enabled; `split` from [`split_activations`] for
+    /// these tokens and the matrix's columns; `out` has `tokens × rows` values and this task
+    /// alone writes rows `64g..64g+64`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn group(w: &PackedMatrix, split: &[u16], tokens: usize, g: usize, out: DisjointOut) {
+        let (rows, cols) = (w.rows, w.cols);
+        let blocks = cols.div_ceil(TILE_COLS);
+        let p0 = g * GROUP_PANELS;
+        let np = GROUP_PANELS.min(rows.div_ceil(PANEL) - p0);
+        let tiles = tokens.div_ceil(TILE_TOKENS);
+        let mut acc = [[0f32; PANEL]; PANEL];
+        // Accumulator `c` holds token tile `tile` × panel `p0 + i`: into the output.
+        let mut finish = |c: usize, tile: usize, i: usize| {
+            // SAFETY: acc is 16 rows of 64 bytes; the output rows are this task's.
+            unsafe { store(c, acc.as_mut_ptr() as *mut f32) };
+            let nt = TILE_TOKENS.min(tokens - tile * TILE_TOKENS);
+            let r0 = (p0 + i) * PANEL;
+            let n = PANEL.min(rows - r0);
+            let lanes: __mmask16 = if n == PANEL { 0xffff } else { (1u16 << n) - 1 };
+            for j in 0..nt {
+                let t = tile * TILE_TOKENS + j;
+                // SAFETY: rows 3j..3j+2 of acc; lanes < n land on rows r0.. of token t < tokens,
+                // this task's rows.
+                unsafe {
+                    let part = |k: usize| _mm512_loadu_ps(acc[3 * j + k].as_ptr());
+                    let sum = _mm512_add_ps(_mm512_add_ps(part(0), part(1)), part(2));
+                    _mm512_mask_storeu_ps(out.at(t * rows + r0), lanes, sum);
+                }
+            }
+        };
+        let a_at = |tile: usize, b: usize| split.as_ptr().wrapping_add((tile * blocks + b) * PANEL * TILE_COLS);
+        // SAFETY (whole block): every tile operation follows a `configure`; pointers stay inside
+        // `split` (tile < tiles, b < blocks), the panels (i < np, b < blocks) and `wide`.
+        unsafe {
+            match &w.data {
+                PackedData::Bf16(v) => {
+                    let stride = w.panel_pairs();
+                    let b_at = |i: usize, b: usize| v.as_ptr().add(((p0 + i) * stride + b * TILE_PAIRS) * PANEL * 2);
+                    if tiles == 1 {
+                        configure(&TileConfig::new(3 * tokens));
+                        (0..np).for_each(|i| zero(i));
+                        for b in 0..blocks {
+                            load(4, a_at(0, b));
+                            for i in 0..np {
+                                // A tile load waits on its cache misses in order; the weights
+                                // stream from memory here, so fetch a few blocks ahead.
+                                if b + PREFETCH_BLOCKS < blocks {
+                                    prefetch_tile(b_at(i, b + PREFETCH_BLOCKS));
+                                }
+                                load(6 + i % 2, b_at(i, b));
+                                dot(i, 4, 6 + i % 2);
+                            }
+                        }
+                        (0..np).for_each(|i| finish(i, 0, i));
+                    } else {
+                        blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
+                    }
+                }
+                PackedData::Mxfp4 { nibbles, scales, .. } => {
+                    let pairs = w.pairs();
+                    WIDE.with(|s| {
+                        let mut wide = s.borrow_mut();
+                        // One token tile widens block by block (L1-sized); several widen the
+                        // group once and share it. Same values, same order either way.
+                        let per_block = GROUP_PANELS * TILE_PAIRS * TILE_COLS;
+                        let need = if tiles == 1 { per_block } else { blocks * per_block };
+                        if wide.len() < need {
+                            wide.resize(need, 0);
+                        }
+                        let wp = wide.as_mut_ptr();
+                        let at = |i: usize, b: usize| (b * GROUP_PANELS + i) * TILE_PAIRS * TILE_COLS;
+                        if tiles == 1 {
+                            configure(&TileConfig::new(3 * tokens));
+                            (0..np).for_each(|i| zero(i));
+                            for b in 0..blocks {
+                                for i in 0..np {
+                                    widen_block(nibbles, scales, pairs, blocks, p0 + i, b, wp.add(at(i, 0)));
+                                }
+                                load(4, a_at(0, b));
+                                for i in 0..np {
+                                    load(6 + i % 2, wp.add(at(i, 0)));
+                                    dot(i, 4, 6 + i % 2);
+                                }
+                            }
+                            (0..np).for_each(|i| finish(i, 0, i));
+                        } else {
+                            for b in 0..blocks {
+                                for i in 0..np {
+                                    widen_block(nibbles, scales, pairs, blocks, p0 + i, b, wp.add(at(i, b)));
+                                }
+                            }
+                            let b_at = |i: usize, b: usize| wp.add(at(i, b)) as *const u16;
+                            blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
+                        }
+                    });
+                }
+                PackedData::Fp8 { .. } => unreachable!("FP8 matrices are not taken"),
+            }
+            release();
+        }
+    }
+
+    /// Token tiles in pairs × panels in pairs: accumulators 0 (x, a), 1 (y, a), 2 (x, b),
+    /// 3 (y, b) over every block, activations in tmm4–5 and weights in tmm6–7. Partial token
+    /// tiles run as whole ones (their extra rows are never read back).
+    ///
+    /// SAFETY (caller): as [`group`]; `a_at(tile, b)` and `b_at(i, b)` point at whole tiles.
+    unsafe fn blocks_2x2(
+        tiles: usize,
+        np: usize,
+        blocks: usize,
+        a_at: &dyn Fn(usize, usize) -> *const u16,
+        b_at: &dyn Fn(usize, usize) -> *const u16,
+        finish: &mut dyn FnMut(usize, usize, usize),
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            configure(&TileConfig::new(3 * TILE_TOKENS));
+            for x in (0..tiles).step_by(2) {
+                let two_tiles = x + 1 < tiles;
+                for a in (0..np).step_by(2) {
+                    let two_panels = a + 1 < np;
+                    let used = |c: usize| (c.is_multiple_of(2) || two_tiles) && (c < 2 || two_panels);
+                    (0..4).filter(|&c| used(c)).for_each(|c| zero(c));
+                    for b in 0..blocks {
+                        load(4, a_at(x, b));
+                        load(6, b_at(a, b));
+                        dot(0, 4, 6);
+                        if two_tiles {
+                            load(5, a_at(x + 1, b));
+                            dot(1, 5, 6);
+                        }
+                        if two_panels {
+                            load(7, b_at(a + 1, b));
+                            dot(2, 4, 7);
+                            if two_tiles {
+                                dot(3, 5, 7);
+                            }
+                        }
+                    }
+                    (0..4).filter(|&c| used(c)).for_each(|c| finish(c, x + c % 2, a + c / 2));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Bf16Matrix, Matrix, Mxfp4Matrix, f32_to_bf16_bits};
+
+    /// f32 values over many binades, signs and a few zeros: the split must keep every bit.
+    fn activations(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                let m = f32::from_bits(0x3f80_0000 | (s >> 9)) - 1.5;
+                if i % 11 == 0 { 0.0 } else { m * 2f32.powi((i as i32 % 60) - 30) }
+            })
+            .collect()
+    }
+
+    /// The three-part split is exact: an identity weight returns every activation bit for bit,
+    /// for each token of a batch whose tile count and column count leave partial tiles.
+    #[test]
+    fn an_identity_weight_returns_the_activations_exactly() {
+        if !enabled() {
+            eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+            return;
+        }
+        for n in [32usize, 80] {
+            let mut bits = vec![0u16; n * n];
+            for r in 0..n {
+                bits[r * n + r] = f32_to_bf16_bits(1.0);
+            }
+            let p = PackedMatrix::pack(&Matrix::Bf16(Bf16Matrix::new(&bits, n, n))).expect("packs");
+            assert!(takes(&p));
+            for tokens in [1usize, 4, 7, 13] {
+                let x = activations(tokens * n, 7 + tokens as u32);
+                let mut out = vec![f32::NAN; tokens * n];
+                matmul(&p, &x, tokens, &mut out);
+                for (i, (o, v)) in out.iter().zip(&x).enumerate() {
+                    assert_eq!(o.to_bits(), v.to_bits(), "{n} columns, {tokens} tokens: value {i}: {o} vs {v}");
+                }
+            }
+        }
+    }
+
+    /// MXFP4 scales are folded into the widened BF16 exponents exactly at both ends of the range
+    /// the tiles take: one power-of-two code a row (so each product is exact) gives `w · x`.
+    #[test]
+    fn mxfp4_scales_fold_into_the_tile_weights_exactly() {
+        if !enabled() {
+            eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+            return;
+        }
+        let (rows, cols) = (40usize, 64usize);
+        // Codes 1, 2, 4, 6 (0.5, 1, 2, 4) and their negatives (+8), one per row at column r.
+        let codes = [1u8, 2, 4, 6, 9, 10, 12, 14];
+        let mut packed = vec![0u8; rows * cols / 2];
+        let mut scales = vec![127u8; rows * cols / 32];
+        let mut want_w = vec![0f32; rows];
+        for r in 0..rows {
+            let (c, code) = (r % cols, codes[r % codes.len()]);
+            packed[r * cols / 2 + c / 2] = if c % 2 == 0 { code } else { code << 4 };
+            let s = [2u8, 191, 127, 60, 150][r % 5];
+            scales[r * cols / 32 + c / 32] = s;
+            want_w[r] = crate::cpu::mxfp4::E2M1[code as usize] * 2f32.powi(s as i32 - 127);
+        }
+        let p = PackedMatrix::pack(&Matrix::Mxfp4(Mxfp4Matrix::new(&packed, &scales, rows, cols))).expect("packs");
+        assert!(takes(&p));
+        for tokens in [1usize, 6] {
+            let x: Vec<f32> = activations(tokens * cols, 3).iter().map(|v| v.clamp(-1e20, 1e20)).collect();
+            let mut out = vec![f32::NAN; tokens * rows];
+            matmul(&p, &x, tokens, &mut out);
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let want = want_w[r] * x[t * cols + r % cols];
+                    let got = out[t * rows + r];
+                    if want.abs() < f32::MIN_POSITIVE * 2f32.powi(24) {
+                        // The tiles flush subnormal products: a part below 2^-126 is lost.
+                        let tol = want.abs() * 2f32.powi(-7) + f32::MIN_POSITIVE;
+                        assert!((got - want).abs() <= tol, "token {t} row {r}: {got} vs {want} (near the subnormals)");
+                    } else {
+                        assert_eq!(got.to_bits(), want.to_bits(), "token {t} row {r}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
