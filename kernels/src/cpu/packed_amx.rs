@@ -85,7 +85,8 @@ pub fn takes(w: &PackedMatrix) -> bool {
 thread_local! {
     /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
     static SPLIT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
-    /// A task's widened MXFP4 weight tiles, `[panel][block][16 pairs][16 rows][2]` BF16.
+    /// A task's widened MXFP4 weight tiles, `[block][panel][16 pairs][16 rows][2]` BF16 (borrowed
+    /// only inside one group task, which starts no parallel work).
     static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -100,35 +101,41 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     }
     let blocks = cols.div_ceil(TILE_COLS);
     let tiles = tokens.div_ceil(TILE_TOKENS);
+    // The buffer is taken out of its slot, not borrowed: while this thread waits for the groups
+    // below it may run another product (a stolen job of a nested parallel loop).
+    let mut buf = SPLIT.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let need = tiles * blocks * PANEL * TILE_COLS;
+    if buf.len() < need {
+        buf.resize(need, 0);
+    }
+    let split = &mut buf[..need];
+    let per_tile = blocks * PANEL * TILE_COLS;
+    // SAFETY (both): `enabled()` (checked by `takes`) includes AVX-512 F / BW / BF16; each
+    // chunk is one token tile's blocks and `x` holds its tokens.
+    let one = |(tile, dst): (usize, &mut [u16])| unsafe {
+        let t0 = tile * TILE_TOKENS;
+        let nt = TILE_TOKENS.min(tokens - t0);
+        x86::split_activations(&x[t0 * cols..(t0 + nt) * cols], nt, cols, dst)
+    };
+    if tiles > 1 && tokens * cols >= SERIAL_WORK / 4 {
+        split.par_chunks_mut(per_tile).enumerate().for_each(one);
+    } else {
+        split.chunks_mut(per_tile).enumerate().for_each(one);
+    }
+    let split: &[u16] = split;
+    let groups = w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
+    let ptr = DisjointOut::new(out);
+    // SAFETY (both): AMX and AVX-512 are enabled; each group task writes only its own rows.
+    let run = |g: usize| unsafe { x86::group(w, split, tokens, g, ptr) };
+    if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
+        (0..groups).for_each(run);
+    } else {
+        (0..groups).into_par_iter().for_each(run);
+    }
     SPLIT.with(|s| {
-        let mut split = s.borrow_mut();
-        let need = tiles * blocks * PANEL * TILE_COLS;
-        if split.len() < need {
-            split.resize(need, 0);
-        }
-        let split = &mut split[..need];
-        let per_tile = blocks * PANEL * TILE_COLS;
-        // SAFETY (both): `enabled()` (checked by `takes`) includes AVX-512 F / BW / BF16; each
-        // chunk is one token tile's blocks and `x` holds its tokens.
-        let one = |(tile, dst): (usize, &mut [u16])| unsafe {
-            let t0 = tile * TILE_TOKENS;
-            let nt = TILE_TOKENS.min(tokens - t0);
-            x86::split_activations(&x[t0 * cols..(t0 + nt) * cols], nt, cols, dst)
-        };
-        if tiles > 1 && tokens * cols >= SERIAL_WORK / 4 {
-            split.par_chunks_mut(per_tile).enumerate().for_each(one);
-        } else {
-            split.chunks_mut(per_tile).enumerate().for_each(one);
-        }
-        let split: &[u16] = split;
-        let groups = w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
-        let ptr = DisjointOut::new(out);
-        // SAFETY (both): AMX and AVX-512 are enabled; each group task writes only its own rows.
-        let run = |g: usize| unsafe { x86::group(w, split, tokens, g, ptr) };
-        if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
-            (0..groups).for_each(run);
-        } else {
-            (0..groups).into_par_iter().for_each(run);
+        let mut slot = s.borrow_mut();
+        if slot.len() < buf.len() {
+            *slot = buf;
         }
     });
 }
@@ -525,6 +532,42 @@ mod tests {
                     assert_eq!(o.to_bits(), v.to_bits(), "{n} columns, {tokens} tokens: value {i}: {o} vs {v}");
                 }
             }
+        }
+    }
+
+    /// Products started from inside a parallel loop (as the MoE's expert jobs do) may run on a
+    /// thread that is itself waiting in a product: each gives the bits it gives alone.
+    #[test]
+    fn nested_parallel_products_match_serial_ones() {
+        use rayon::prelude::*;
+        if !enabled() {
+            eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+            return;
+        }
+        let (rows, cols) = (256usize, 256usize);
+        let vals = activations(rows * cols, 5);
+        let bits: Vec<u16> = vals.iter().map(|v| f32_to_bf16_bits(*v)).collect();
+        let p = PackedMatrix::pack(&Matrix::Bf16(Bf16Matrix::new(&bits, rows, cols))).expect("packs");
+        let inputs: Vec<(usize, Vec<f32>)> =
+            (0..12).map(|i| (1 + i % 7, activations((1 + i % 7) * cols, 11 + i as u32))).collect();
+        let alone: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|(t, x)| {
+                let mut out = vec![0f32; t * rows];
+                matmul(&p, x, *t, &mut out);
+                out
+            })
+            .collect();
+        let nested: Vec<Vec<f32>> = inputs
+            .par_iter()
+            .map(|(t, x)| {
+                let mut out = vec![0f32; t * rows];
+                matmul(&p, x, *t, &mut out);
+                out
+            })
+            .collect();
+        for (i, (a, b)) in alone.iter().zip(&nested).enumerate() {
+            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "product {i} differs when nested");
         }
     }
 
