@@ -226,43 +226,89 @@ pub(crate) mod x86 {
         }
     }
 
-    /// [`super::gemm_rows`]: blocks of 8 rows × 16 columns in registers.
+    /// [`super::gemm_rows`]: blocks of 4 rows × 64 columns in registers (each loaded row of `m`
+    /// and each broadcast of `a` feeds four products).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn gemm_rows_avx512(a: &[f32], k: usize, m: &[f32], y: &mut [f32], cols: usize) {
-        const R: usize = 8;
         let n = y.len() / cols.max(1);
         let mut c = 0;
         while c < cols {
-            let mask: __mmask16 = if cols - c >= 16 { 0xffff } else { ((1u32 << (cols - c)) - 1) as __mmask16 };
+            let nv = (cols - c).div_ceil(16).min(4);
             let mut i0 = 0;
             while i0 < n {
-                let nr = R.min(n - i0);
-                // SAFETY: masked lanes c..min(c+16, cols) of rows i0..i0+nr of y and of m's k
-                // rows; a's rows i0..i0+nr hold k values each.
+                let nr = (n - i0).min(4);
+                // SAFETY: forwarded; the block lies inside y, m and a.
                 unsafe {
-                    let mut acc = [_mm512_setzero_ps(); R];
-                    for (i, v) in acc.iter_mut().enumerate().take(nr) {
-                        *v = _mm512_maskz_loadu_ps(mask, y.as_ptr().add((i0 + i) * cols + c));
-                    }
-                    for r in 0..k {
-                        let row = _mm512_maskz_loadu_ps(mask, m.as_ptr().add(r * cols + c));
-                        if nr == R {
-                            for (i, v) in acc.iter_mut().enumerate() {
-                                *v = _mm512_fmadd_ps(_mm512_set1_ps(*a.get_unchecked((i0 + i) * k + r)), row, *v);
-                            }
-                        } else {
-                            for (i, v) in acc.iter_mut().enumerate().take(nr) {
-                                *v = _mm512_fmadd_ps(_mm512_set1_ps(*a.get_unchecked((i0 + i) * k + r)), row, *v);
-                            }
-                        }
-                    }
-                    for (i, v) in acc.iter().enumerate().take(nr) {
-                        _mm512_mask_storeu_ps(y.as_mut_ptr().add((i0 + i) * cols + c), mask, *v);
+                    match (nr, nv) {
+                        (1, 1) => gemm_block::<1, 1>(a, k, m, y, cols, i0, c),
+                        (1, 2) => gemm_block::<1, 2>(a, k, m, y, cols, i0, c),
+                        (1, 3) => gemm_block::<1, 3>(a, k, m, y, cols, i0, c),
+                        (1, 4) => gemm_block::<1, 4>(a, k, m, y, cols, i0, c),
+                        (2, 1) => gemm_block::<2, 1>(a, k, m, y, cols, i0, c),
+                        (2, 2) => gemm_block::<2, 2>(a, k, m, y, cols, i0, c),
+                        (2, 3) => gemm_block::<2, 3>(a, k, m, y, cols, i0, c),
+                        (2, 4) => gemm_block::<2, 4>(a, k, m, y, cols, i0, c),
+                        (3, 1) => gemm_block::<3, 1>(a, k, m, y, cols, i0, c),
+                        (3, 2) => gemm_block::<3, 2>(a, k, m, y, cols, i0, c),
+                        (3, 3) => gemm_block::<3, 3>(a, k, m, y, cols, i0, c),
+                        (3, 4) => gemm_block::<3, 4>(a, k, m, y, cols, i0, c),
+                        (4, 1) => gemm_block::<4, 1>(a, k, m, y, cols, i0, c),
+                        (4, 2) => gemm_block::<4, 2>(a, k, m, y, cols, i0, c),
+                        (4, 3) => gemm_block::<4, 3>(a, k, m, y, cols, i0, c),
+                        (4, 4) => gemm_block::<4, 4>(a, k, m, y, cols, i0, c),
+                        _ => unreachable!("row and vector counts are 1 to 4"),
                     }
                 }
                 i0 += nr;
             }
-            c += 16;
+            c += 16 * nv;
+        }
+    }
+
+    /// Rows `i0..i0+NR` × `NV` 16-column vectors from column `c` (the last one masked at `cols`).
+    ///
+    /// SAFETY (caller): AVX-512F; `a` is `[n, k]`, `m` `[k, cols]`, `y` `[n, cols]` with
+    /// `i0 + NR <= n` and `c + 16 (NV − 1) < cols`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)] // constant ranges unroll into named registers
+    unsafe fn gemm_block<const NR: usize, const NV: usize>(
+        a: &[f32],
+        k: usize,
+        m: &[f32],
+        y: &mut [f32],
+        cols: usize,
+        i0: usize,
+        c: usize,
+    ) {
+        let mask = |v: usize| -> __mmask16 {
+            let left = cols - (c + 16 * v);
+            if left >= 16 { 0xffff } else { ((1u32 << left) - 1) as __mmask16 }
+        };
+        // SAFETY (all accesses): masked lanes inside rows of y and m; a's rows i0..i0+NR.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; NR];
+            for i in 0..NR {
+                for v in 0..NV {
+                    acc[i][v] = _mm512_maskz_loadu_ps(mask(v), y.as_ptr().add((i0 + i) * cols + c + 16 * v));
+                }
+            }
+            for r in 0..k {
+                let mut row = [_mm512_setzero_ps(); NV];
+                for v in 0..NV {
+                    row[v] = _mm512_maskz_loadu_ps(mask(v), m.as_ptr().add(r * cols + c + 16 * v));
+                }
+                for i in 0..NR {
+                    let s = _mm512_set1_ps(*a.get_unchecked((i0 + i) * k + r));
+                    for v in 0..NV {
+                        acc[i][v] = _mm512_fmadd_ps(s, row[v], acc[i][v]);
+                    }
+                }
+            }
+            for i in 0..NR {
+                for v in 0..NV {
+                    _mm512_mask_storeu_ps(y.as_mut_ptr().add((i0 + i) * cols + c + 16 * v), mask(v), acc[i][v]);
+                }
+            }
         }
     }
 
@@ -412,6 +458,38 @@ pub(crate) mod x86 {
         while i < n {
             y[i] += alpha * x[i];
             i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `gemm_rows` is `axpy_rows` row by row, bit for bit, over shapes with partial row blocks and
+    /// partial (masked) column vectors.
+    #[test]
+    fn gemm_rows_equals_axpy_rows_bit_for_bit() {
+        let mut s = 0x9e37_79b9u32;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s as f32 / u32::MAX as f32 - 0.5) * 3.0
+        };
+        for (n, k, cols) in [(1, 1, 1), (5, 7, 17), (9, 3, 70), (64, 128, 128), (13, 64, 50), (6, 16, 129)] {
+            let a: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let m: Vec<f32> = (0..k * cols).map(|_| next()).collect();
+            let y0: Vec<f32> = (0..n * cols).map(|_| next()).collect();
+            let mut got = y0.clone();
+            gemm_rows(&a, k, &m, &mut got);
+            let mut want = y0;
+            for (ai, yi) in a.chunks_exact(k).zip(want.chunks_exact_mut(cols)) {
+                axpy_rows(ai, &m, yi);
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{n}×{k}·{k}×{cols}: value {i}: {g} vs {w}");
+            }
         }
     }
 }
