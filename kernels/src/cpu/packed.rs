@@ -6,6 +6,8 @@
 //! token's column value and multiplies it into 16 rows at once, so every output is one fused
 //! multiply-add chain over the columns in order — no horizontal sums, and the same chain for any
 //! number of tokens, threads or SIMD level: a token's result is bit-identical alone or in a batch.
+//! On a CPU with AMX tiles, BF16 and MXFP4 products run in `packed_amx` over these same panels
+//! instead (a BF16 panel's 32-column block is a weight tile; the panels are padded to whole blocks).
 //! The packed copy takes the same bytes as the stored weight (BF16 2 bytes a value, MXFP4 half a
 //! byte plus a scale byte per 32, FP8 a byte plus an f32 scale per row), padded to whole panels.
 //!
