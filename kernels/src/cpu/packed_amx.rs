@@ -550,22 +550,13 @@ mod tests {
         let p = PackedMatrix::pack(&Matrix::Bf16(Bf16Matrix::new(&bits, rows, cols))).expect("packs");
         let inputs: Vec<(usize, Vec<f32>)> =
             (0..12).map(|i| (1 + i % 7, activations((1 + i % 7) * cols, 11 + i as u32))).collect();
-        let alone: Vec<Vec<f32>> = inputs
-            .iter()
-            .map(|(t, x)| {
-                let mut out = vec![0f32; t * rows];
-                matmul(&p, x, *t, &mut out);
-                out
-            })
-            .collect();
-        let nested: Vec<Vec<f32>> = inputs
-            .par_iter()
-            .map(|(t, x)| {
-                let mut out = vec![0f32; t * rows];
-                matmul(&p, x, *t, &mut out);
-                out
-            })
-            .collect();
+        let product = |(t, x): &(usize, Vec<f32>)| {
+            let mut out = vec![0f32; t * rows];
+            matmul(&p, x, *t, &mut out);
+            out
+        };
+        let alone: Vec<Vec<f32>> = inputs.iter().map(product).collect();
+        let nested: Vec<Vec<f32>> = inputs.par_iter().map(product).collect();
         for (i, (a, b)) in alone.iter().zip(&nested).enumerate() {
             assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "product {i} differs when nested");
         }
