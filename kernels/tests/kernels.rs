@@ -135,9 +135,12 @@ fn transposed_matmul_is_batch_invariant() {
 }
 
 /// The KDA chunk's decayed dot products (a vector e^x on AVX-512) against f64, for decay
-/// differences from 0 down to −120 (where e^x underflows) and lengths that leave a masked tail.
+/// differences from 0 down to −120 (past the floor, and where e^x underflows) and lengths that
+/// leave a masked tail. Factors below `DECAY_FLOOR` are dropped; the exact sum differs from the
+/// result by at most what the floor allows.
 #[test]
 fn decayed_dots_match_f64() {
+    use kimi_kernels::cpu::simd::DECAY_FLOOR;
     let mut rng = StdRng::seed_from_u64(7);
     for n in [1, 15, 16, 33, 128] {
         for spread in [0.1f32, 5.0, 40.0, 120.0] {
@@ -147,13 +150,43 @@ fn decayed_dots_match_f64() {
             let gj: Vec<f32> = (0..n).map(|_| rng.random_range(-10.0f32..0.0)).collect();
             let gi: Vec<f32> = gj.iter().map(|g| g - spread * rng.random_range(0.0f32..1.0)).collect();
             let (sq, sk) = kimi_kernels::cpu::simd::decayed_dots(&q, &k, &kj, &gi, &gj);
-            let w: Vec<f64> = (0..n).map(|c| kj[c] as f64 * ((gi[c] - gj[c]) as f64).exp()).collect();
+            let d = |c: usize| gi[c] - gj[c];
+            let exact: Vec<f64> = (0..n).map(|c| kj[c] as f64 * (d(c) as f64).exp()).collect();
+            let w: Vec<f64> = (0..n).map(|c| if d(c) < DECAY_FLOOR { 0.0 } else { exact[c] }).collect();
             let wq: f64 = (0..n).map(|c| q[c] as f64 * w[c]).sum();
             let wk: f64 = (0..n).map(|c| k[c] as f64 * w[c]).sum();
             let scale: f64 = w.iter().map(|x| x.abs()).sum::<f64>().max(1e-30);
             assert!(((sq as f64) - wq).abs() <= 1e-6 * scale, "n {n} spread {spread}: q·w {sq} vs {wq}");
             assert!(((sk as f64) - wk).abs() <= 1e-6 * scale, "n {n} spread {spread}: k·w {sk} vs {wk}");
+            // Against the exact sum: off by at most the dropped terms, each under e^floor.
+            let dropped: f64 = (0..n).map(|c| (q[c] as f64 * (exact[c] - w[c])).abs()).sum();
+            let bound = (DECAY_FLOOR as f64).exp() * (0..n).map(|c| (q[c] * kj[c]).abs() as f64).sum::<f64>();
+            assert!(dropped <= bound, "n {n} spread {spread}: dropped {dropped} over {bound}");
+            let exact_q: f64 = (0..n).map(|c| q[c] as f64 * exact[c]).sum();
+            assert!(((sq as f64) - exact_q).abs() <= 1e-6 * scale + bound, "n {n} spread {spread}");
         }
+    }
+}
+
+/// The chunk form's decay factors: e^d within f32 rounding down to the floor, exactly 0 below it
+/// (never a subnormal, which would cost a microcode assist in every product it meets), NaN kept.
+#[test]
+fn decay_factors_stop_at_the_floor() {
+    use kimi_kernels::cpu::simd::{DECAY_FLOOR, mul_exp_diff};
+    let n = 1000 + 5;
+    let a: Vec<f32> = (0..n).map(|i| -(i as f32) * 0.13).collect();
+    let mut x: Vec<f32> = (0..n).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+    x[3] = f32::NAN;
+    let mut out = vec![0f32; n];
+    mul_exp_diff(&x, &a, None, &mut out);
+    for i in 0..n {
+        let want = if a[i] < DECAY_FLOOR { 0.0 } else { x[i] as f64 * (a[i] as f64).exp() };
+        if i == 3 {
+            assert!(out[i].is_nan());
+            continue;
+        }
+        assert!(((out[i] as f64) - want).abs() <= 2e-7 * want.abs(), "d {}: {} vs {want}", a[i], out[i]);
+        assert!(out[i] == 0.0 || out[i].is_normal(), "d {}: subnormal {}", a[i], out[i]);
     }
 }
 

@@ -124,8 +124,25 @@ pub fn gemm_rows(a: &[f32], k: usize, m: &[f32], y: &mut [f32]) {
     }
 }
 
-/// The two decayed dot products of the KDA chunk form: with w = k_j ⊙ e^{Γ_i − Γ_j},
-/// returns (q_i · w, k_i · w). All slices have the same length.
+/// Decay exponents below this are taken as a factor of exactly 0 in the KDA chunk form.
+///
+/// Why: a strongly decaying channel (gates down to −5 a token) drives e^{Γ} far below 1 within a
+/// chunk, into f32's subnormal range, and every product touching a subnormal takes a microcode
+/// assist of about a hundred cycles: measured, a 128-token prefill's chunk work ran ten times
+/// slower with the release's gate range than with weak gates. A dropped factor is below
+/// e^−27 ≈ 2⁻³⁹ of its operand, fifteen bits under f32's rounding of the terms it would have
+/// been summed with, so no result moves by more than that. The floor is high enough that the
+/// products of two kept factors (e^−54) with unit-scale q and k stay normal.
+pub const DECAY_FLOOR: f32 = -27.0;
+
+/// `x · e^d`, or exactly 0 when `d` is below [`DECAY_FLOOR`] (NaN propagates).
+#[inline]
+pub fn decayed(x: f32, d: f32) -> f32 {
+    if d < DECAY_FLOOR { 0.0 } else { x * d.exp() }
+}
+
+/// The two decayed dot products of the KDA chunk form: with w = k_j ⊙ e^{Γ_i − Γ_j} (factors
+/// below [`DECAY_FLOOR`] dropped), returns (q_i · w, k_i · w). All slices have the same length.
 pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) -> (f32, f32) {
     match simd_level() {
         #[cfg(target_arch = "x86_64")]
@@ -136,7 +153,7 @@ pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) 
         _ => {
             let (mut sq, mut sk) = (0f32, 0f32);
             for c in 0..qi.len() {
-                let kw = kj[c] * (gi[c] - gj[c]).exp();
+                let kw = decayed(kj[c], gi[c] - gj[c]);
                 sq += qi[c] * kw;
                 sk += ki[c] * kw;
             }
@@ -145,7 +162,8 @@ pub fn decayed_dots(qi: &[f32], ki: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) 
     }
 }
 
-/// `out = x ⊙ e^{a − b}` (`b` absent: `e^a`), the KDA chunk form's decay factors.
+/// `out = x ⊙ e^{a − b}` (`b` absent: `e^a`), the KDA chunk form's decay factors, with factors
+/// below [`DECAY_FLOOR`] dropped.
 pub fn mul_exp_diff(x: &[f32], a: &[f32], b: Option<&[f32]>, out: &mut [f32]) {
     let n = out.len();
     assert!(x.len() >= n && a.len() >= n && b.is_none_or(|b| b.len() >= n), "mul_exp_diff: short input");
@@ -159,7 +177,7 @@ pub fn mul_exp_diff(x: &[f32], a: &[f32], b: Option<&[f32]>, out: &mut [f32]) {
                     Some(b) => a[c] - b[c],
                     None => a[c],
                 };
-                out[c] = x[c] * d.exp();
+                out[c] = decayed(x[c], d);
             }
         }
     }
@@ -205,6 +223,15 @@ pub(crate) mod x86 {
         let r2 = _mm512_mul_ps(r, r);
         let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
         _mm512_scalef_ps(e, n)
+    }
+
+    /// e^d, or 0 where d is below [`super::DECAY_FLOOR`]; the exponent is clamped first so that
+    /// the dropped lanes never compute a subnormal either (NaN propagates).
+    #[target_feature(enable = "avx512f")]
+    fn floored_exp(d: __m512) -> __m512 {
+        let floor = _mm512_set1_ps(super::DECAY_FLOOR);
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(d, floor);
+        _mm512_maskz_mov_ps(keep, exp_avx512(_mm512_mask_mov_ps(floor, keep, d)))
     }
 
     #[target_feature(enable = "avx512f")]
@@ -324,7 +351,7 @@ pub(crate) mod x86 {
                 if let Some(b) = b {
                     d = _mm512_sub_ps(d, _mm512_maskz_loadu_ps(m, b.as_ptr().add(c)));
                 }
-                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x.as_ptr().add(c)), exp_avx512(d));
+                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x.as_ptr().add(c)), floored_exp(d));
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, v);
             }
             c += 16;
@@ -348,7 +375,7 @@ pub(crate) mod x86 {
                     _mm512_maskz_loadu_ps(m, gj.as_ptr().add(c)),
                 )
             };
-            let kw = _mm512_mul_ps(kk, exp_avx512(_mm512_sub_ps(a, b)));
+            let kw = _mm512_mul_ps(kk, floored_exp(_mm512_sub_ps(a, b)));
             sq = _mm512_fmadd_ps(q, kw, sq);
             sk = _mm512_fmadd_ps(k, kw, sk);
             c += 16;
