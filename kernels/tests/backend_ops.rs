@@ -140,8 +140,9 @@ fn matmul_and_transposed_match_reference_in_every_format() {
 fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
     let mut rng = StdRng::seed_from_u64(9);
     let level_exact = kimi_kernels::simd_level() != kimi_kernels::SimdLevel::Avx2;
-    for (name, be) in backends() {
-        let (rows, cols) = (37, 96);
+    // The second shape has several row groups and more blocks than the decode prefetch reaches.
+    let shapes = [(37, 96), (300, 320)];
+    for ((name, be), (rows, cols)) in backends().iter().flat_map(|b| shapes.iter().map(move |&s| (b, s))) {
         let w = Weights::new(&mut rng, rows, cols);
         for (fmt, m, _) in w.formats() {
             let exact = level_exact || fmt.starts_with("packed");

@@ -249,6 +249,19 @@ mod x86 {
         }
     }
 
+    /// Prefetches panel `p`'s MXFP4 block `g`: its codes (16 pairs × 16 rows, four cache lines)
+    /// and its line of scales.
+    #[inline(always)]
+    fn prefetch_codes(nibbles: &[u8], scales: &[u8], pairs: usize, groups: usize, p: usize, g: usize) {
+        let codes = nibbles.as_ptr().wrapping_add((p * pairs + g * TILE_PAIRS) * PANEL) as *const i8;
+        for l in 0..TILE_PAIRS * PANEL / 64 {
+            // SAFETY: a prefetch never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(codes.wrapping_add(64 * l)) };
+        }
+        // SAFETY: a prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(scales.as_ptr().wrapping_add((p * groups + g) * PANEL) as *const i8) };
+    }
+
     unsafe fn release() {
         // SAFETY (caller): AMX enabled.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
@@ -294,6 +307,17 @@ mod x86 {
         }
     }
 
+    /// E2M1's 16 values as BF16 bits (exact: two significant bits), padded to a 32-word table.
+    static E2M1_BF16: [u16; 32] = {
+        let mut t = [0u16; 32];
+        let mut i = 0;
+        while i < 16 {
+            t[i] = (E2M1[i].to_bits() >> 16) as u16;
+            i += 1;
+        }
+        t
+    };
+
     /// Widens panel `p`'s MXFP4 block `g` (32 columns) into a weight tile at `dst` (512 BF16):
     /// `E2M1(code) · 2^(s − 127)` by adding `(s − 127) << 7` to the code's BF16 exponent
     /// (zeros stay zero).
@@ -307,14 +331,10 @@ mod x86 {
         g: usize,
         dst: *mut u16,
     ) {
-        let mut lut = [0u16; 32];
-        for (l, v) in lut.iter_mut().zip(E2M1) {
-            *l = (v.to_bits() >> 16) as u16;
-        }
         // SAFETY: all pointers below lie in panel p's codes and scales (the caller's p, g exist);
         // dst holds 512 values.
         unsafe {
-            let lut = _mm512_loadu_si512(lut.as_ptr() as *const __m512i);
+            let lut = _mm512_loadu_si512(E2M1_BF16.as_ptr() as *const __m512i);
             let s =
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.as_ptr().add((p * groups + g) * PANEL) as *const __m128i));
             let e = _mm512_slli_epi32::<7>(_mm512_sub_epi32(s, _mm512_set1_epi32(127)));
@@ -408,7 +428,7 @@ mod x86 {
                         // One token tile widens block by block (L1-sized); several widen the
                         // group once and share it. Same values, same order either way.
                         let per_block = GROUP_PANELS * TILE_PAIRS * TILE_COLS;
-                        let need = if tiles == 1 { per_block } else { blocks * per_block };
+                        let need = if tiles == 1 { 2 * per_block } else { blocks * per_block };
                         if wide.len() < need {
                             wide.resize(need, 0);
                         }
@@ -417,13 +437,23 @@ mod x86 {
                         if tiles == 1 {
                             configure(&TileConfig::new(3 * tokens));
                             (0..np).for_each(|i| zero(i));
+                            // Two block slots: panel i of block b + 1 is widened between the
+                            // tile loads and products of block b, so the vector work and the
+                            // tile work overlap instead of taking turns on one buffer.
+                            for i in 0..np {
+                                widen_block(nibbles, scales, pairs, blocks, p0 + i, 0, wp.add(at(i, 0)));
+                            }
                             for b in 0..blocks {
-                                for i in 0..np {
-                                    widen_block(nibbles, scales, pairs, blocks, p0 + i, b, wp.add(at(i, 0)));
-                                }
+                                let (cur, next) = (b % 2, (b + 1) % 2);
                                 load(4, a_at(0, b));
                                 for i in 0..np {
-                                    load(6 + i % 2, wp.add(at(i, 0)));
+                                    if b + PREFETCH_BLOCKS < blocks {
+                                        prefetch_codes(nibbles, scales, pairs, blocks, p0 + i, b + PREFETCH_BLOCKS);
+                                    }
+                                    if b + 1 < blocks {
+                                        widen_block(nibbles, scales, pairs, blocks, p0 + i, b + 1, wp.add(at(i, next)));
+                                    }
+                                    load(6 + i % 2, wp.add(at(i, cur)));
                                     dot(i, 4, 6 + i % 2);
                                 }
                             }
