@@ -159,6 +159,17 @@ pub trait Backend: Send + Sync {
     /// `out[t, r] = Σ_c W[r, c] · x[t, c]`, one read of W for all tokens.
     fn matmul(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]);
 
+    /// [`Backend::matmul`] of each of `ws` over the same `x` (`outs[i]` for `ws[i]`): the
+    /// projections that share an input (KDA's q / k / v / gates, an MLP's gate and up) as one
+    /// op, so a backend can split the activations once and run every matrix's rows in one
+    /// parallel launch. Each output must equal `matmul` of its matrix alone.
+    fn matmul_many(&self, ws: &[Matrix<'_>], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, tokens, out);
+        }
+    }
+
     /// `out[t, c] = Σ_r x[t, r] · W[r, c]` (absorbed MLA queries).
     fn matmul_transposed(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]);
 

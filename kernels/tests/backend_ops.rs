@@ -166,6 +166,35 @@ fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
     }
 }
 
+/// `matmul_many` over matrices of every format and several row counts (one with no rows) gives
+/// each output the bits of that matrix's `matmul` alone, for one token and for many.
+#[test]
+fn matmul_many_equals_each_product_alone() {
+    let mut rng = StdRng::seed_from_u64(10);
+    let cols = 96;
+    let shapes = [Weights::new(&mut rng, 37, cols), Weights::new(&mut rng, 130, cols), Weights::new(&mut rng, 0, cols)];
+    let mut ms: Vec<Matrix<'_>> = Vec::new();
+    for w in &shapes {
+        ms.extend(w.formats().into_iter().map(|(_, m, _)| m));
+    }
+    for (name, be) in backends() {
+        for chunk in [5, 8, ms.len()].iter().flat_map(|&n| ms.chunks(n)) {
+            for tokens in [1usize, 6, 23] {
+                let x = randn(&mut rng, tokens * cols);
+                let mut many: Vec<Vec<f32>> = chunk.iter().map(|m| vec![f32::NAN; tokens * m.rows()]).collect();
+                let mut views: Vec<&mut [f32]> = many.iter_mut().map(|v| &mut v[..]).collect();
+                be.matmul_many(chunk, &x, tokens, &mut views);
+                for (i, m) in chunk.iter().enumerate() {
+                    let mut alone = vec![0f32; tokens * m.rows()];
+                    be.matmul(m, &x, tokens, &mut alone);
+                    let same = alone.iter().zip(&many[i]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{name}: matrix {i} ({} rows), {tokens} tokens", m.rows());
+                }
+            }
+        }
+    }
+}
+
 /// `got` against Σ w·x in f64, within f32 accumulation's bound over `w.len() + 2` additions
 /// (the columns, then the three activation parts' sums).
 fn assert_within_accumulation_bound(got: f32, w: &[f32], x: &[f32], what: &str) {

@@ -135,11 +135,24 @@ impl KdaLayer {
         let (h, k) = (self.heads, self.head_dim);
         let p = h * k;
         let tokens: usize = spans.iter().map(|s| s.len).sum();
-        let mut branches = [
-            self.q_proj.matmul(be, sc, x, tokens),
-            self.k_proj.matmul(be, sc, x, tokens),
-            self.v_proj.matmul(be, sc, x, tokens),
-        ];
+        // Every projection of x in one op; the low-rank gates' second factors follow.
+        let [q, kk, v, fa, beta_logits, gate_x] = match &self.gate {
+            OutputGate::Full(g) => Weight::matmul_many(
+                [&self.q_proj, &self.k_proj, &self.v_proj, &self.f_a, &self.b_proj, g],
+                be,
+                sc,
+                x,
+                tokens,
+            ),
+            OutputGate::LowRank(a, _) => Weight::matmul_many(
+                [&self.q_proj, &self.k_proj, &self.v_proj, &self.f_a, &self.b_proj, a],
+                be,
+                sc,
+                x,
+                tokens,
+            ),
+        };
+        let mut branches = [q, kk, v];
         for (b, raw) in branches.iter_mut().enumerate() {
             for (st, span) in states.iter_mut().zip(spans) {
                 if !st.after_token.is_empty() {
@@ -150,11 +163,10 @@ impl KdaLayer {
             be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
         }
         let [q, kk, v] = branches;
-        let z = self.f_b.matmul(be, sc, &self.f_a.matmul(be, sc, x, tokens), tokens);
-        let beta_logits = self.b_proj.matmul(be, sc, x, tokens);
+        let z = self.f_b.matmul(be, sc, &fa, tokens);
         let r = match &self.gate {
-            OutputGate::Full(g) => g.matmul(be, sc, x, tokens),
-            OutputGate::LowRank(a, b) => b.matmul(be, sc, &a.matmul(be, sc, x, tokens), tokens),
+            OutputGate::Full(_) => gate_x,
+            OutputGate::LowRank(_, b) => b.matmul(be, sc, &gate_x, tokens),
         };
         let params = KdaParams {
             heads: h,

@@ -117,9 +117,19 @@ impl MlaLayer {
         let width = r + dr;
         let tokens = layout.len();
 
-        let c_q = rms_norm(be, sc, &self.q_a.matmul(be, sc, x, tokens), &self.q_a_norm, LORA_NORM_EPS);
+        // Every projection of x in one op.
+        let (q_a, kv, gate) = match &self.g_proj {
+            Some(g) => {
+                let [q_a, kv, gate] = Weight::matmul_many([&self.q_a, &self.kv_a, g], be, sc, x, tokens);
+                (q_a, kv, Some(gate))
+            }
+            None => {
+                let [q_a, kv] = Weight::matmul_many([&self.q_a, &self.kv_a], be, sc, x, tokens);
+                (q_a, kv, None)
+            }
+        };
+        let c_q = rms_norm(be, sc, &q_a, &self.q_a_norm, LORA_NORM_EPS);
         let q = self.q_b.matmul(be, sc, &c_q, tokens);
-        let kv = self.kv_a.matmul(be, sc, x, tokens);
         let mut latent = sc.for_overwrite(tokens * r);
         for (dst, row) in latent.chunks_exact_mut(r).zip(kv.chunks_exact(width)) {
             dst.copy_from_slice(&row[..r]);
@@ -159,9 +169,8 @@ impl MlaLayer {
         }
         let mut o = sc.zeroed(tokens * h * dv);
         be.mla_lift(&w_kv, h, dn, dv, tokens, &ctx, &mut o);
-        if let Some(g) = &self.g_proj {
-            let gate = g.matmul(be, sc, x, tokens);
-            be.sigmoid_mul(&mut o, &gate);
+        if let Some(gate) = &gate {
+            be.sigmoid_mul(&mut o, gate);
         }
         Ok((self.o_proj.matmul(be, sc, &o, tokens), selections))
     }

@@ -57,9 +57,22 @@ impl Mlp {
         if self.gate.rows == 0 {
             return sc.zeroed(tokens * self.down.rows);
         }
-        let mut g = self.gate.matmul(be, sc, x, tokens);
-        let u = self.up.matmul(be, sc, x, tokens);
-        be.situ_glu(&mut g, &u, act);
+        let [g, u] = Weight::matmul_many([&self.gate, &self.up], be, sc, x, tokens);
+        self.finish(be, sc, g, &u, tokens, act)
+    }
+
+    /// `down(SiTU(g, u))` from this MLP's gate and up projections `g`, `u` (for a caller that
+    /// ran them in one op with other projections of the same input).
+    pub fn finish<'s>(
+        &self,
+        be: &dyn Backend,
+        sc: &'s Scratch,
+        mut g: Buf<'s>,
+        u: &[f32],
+        tokens: usize,
+        act: SituParams,
+    ) -> Buf<'s> {
+        be.situ_glu(&mut g, u, act);
         self.down.matmul(be, sc, &g, tokens)
     }
 }

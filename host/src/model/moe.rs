@@ -94,11 +94,11 @@ impl MoeLayer {
         })
     }
 
-    pub fn route(&self, be: &dyn Backend, sc: &Scratch, x: &[f32], tokens: usize) -> Routing {
-        let logits = self.gate.matmul(be, sc, x, tokens);
+    /// The routing of `tokens` tokens from the router's `logits` (`[tokens, experts]`).
+    fn route(&self, be: &dyn Backend, logits: &[f32], tokens: usize) -> Routing {
         let p =
             RouterParams { bias: &self.bias, top_k: self.top_k, renormalize: self.renormalize, scaling: self.scaling };
-        be.moe_route(&logits, tokens, &p)
+        be.moe_route(logits, tokens, &p)
     }
 
     /// Every weight the layer keeps.
@@ -139,10 +139,27 @@ impl MoeLayer {
         tokens: usize,
         act: SituParams,
     ) -> (Buf<'s>, Routing) {
-        let routing = self.route(be, sc, x, tokens);
+        // Every projection of x in one op: router, latent down-projection, and the shared
+        // experts' gate and up (a rank without shared rows has none to run).
+        let shared = self.shared.as_ref().filter(|sh| sh.gate.rows > 0);
+        let (logits, z, shared_gu) = match shared {
+            Some(sh) => {
+                let [logits, z, g, u] =
+                    Weight::matmul_many([&self.gate, &self.down, &sh.gate, &sh.up], be, sc, x, tokens);
+                (logits, z, Some((sh, g, u)))
+            }
+            None => {
+                let [logits, z] = Weight::matmul_many([&self.gate, &self.down], be, sc, x, tokens);
+                (logits, z, None)
+            }
+        };
+        let shared_out = |sc: &'s Scratch| match shared_gu {
+            Some((sh, g, u)) => sh.finish(be, sc, g, &u, tokens, act),
+            None => sc.zeroed(tokens * self.gate.cols),
+        };
+        let routing = self.route(be, &logits, tokens);
         let lat = self.down.rows;
         let d = self.gate.cols;
-        let z = self.down.matmul(be, sc, x, tokens);
         let mut y_lat = sc.zeroed(tokens * lat);
         if self.experts.first().is_some_and(|e| e.w1.rows > 0 && e.w2.cols > 0) {
             let experts: Vec<ExpertMatrices<'_>> = self
@@ -161,16 +178,13 @@ impl MoeLayer {
         let up = self.up.matmul(be, sc, &y_lat, tokens);
         if comm.size() == 1 {
             let mut y = up;
-            if let Some(sh) = &self.shared {
-                let s = sh.forward(be, sc, x, tokens, act);
+            if self.shared.is_some() {
+                let s = shared_out(sc);
                 be.add(&mut y, &s);
             }
             return (y, routing);
         }
-        let mut y = match &self.shared {
-            Some(sh) => sh.forward(be, sc, x, tokens, act),
-            None => sc.zeroed(tokens * d),
-        };
+        let mut y = shared_out(sc);
         let w = self.up_rows.len();
         for (row, part) in y.chunks_exact_mut(d).zip(up.chunks_exact(w.max(1))) {
             be.add(&mut row[self.up_rows.clone()], part);

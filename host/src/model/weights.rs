@@ -112,6 +112,22 @@ impl Weight {
         matches!(self.store, WeightStore::Mxfp4 { .. })
     }
 
+    /// [`Weight::matmul`] of each of `ws` over the same `x`, as one backend op (the backend
+    /// splits the activations once and runs every matrix's rows in one parallel launch).
+    pub fn matmul_many<'s, const N: usize>(
+        ws: [&Weight; N],
+        be: &dyn Backend,
+        sc: &'s Scratch,
+        x: &[f32],
+        tokens: usize,
+    ) -> [Buf<'s>; N] {
+        let mut outs = ws.map(|w| sc.for_overwrite(tokens * w.rows));
+        let ms = ws.map(|w| w.for_matmul());
+        let mut views = outs.each_mut().map(|b| &mut b[..]);
+        be.matmul_many(&ms, x, tokens, &mut views);
+        outs
+    }
+
     /// `out[t, :] = W x[t, :]` for `tokens` rows of `x`, on `be`, into a buffer from `sc`.
     pub fn matmul<'s>(&self, be: &dyn Backend, sc: &'s Scratch, x: &[f32], tokens: usize) -> Buf<'s> {
         let mut out = sc.for_overwrite(tokens * self.rows);

@@ -24,6 +24,10 @@ impl Backend for CpuBackend {
         super::gemm::matmul(w, x, tokens, out)
     }
 
+    fn matmul_many(&self, ws: &[Matrix<'_>], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+        super::gemm::matmul_many(ws, x, tokens, outs)
+    }
+
     fn matmul_transposed(&self, w: &Matrix<'_>, x: &[f32], tokens: usize, out: &mut [f32]) {
         super::gemm::matmul_transposed(w, x, tokens, out)
     }

@@ -34,6 +34,30 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     matmul_stored(w, x, tokens, out)
 }
 
+/// [`matmul`] of each of `ws` over the same activations. The matrices the AMX tiles take run as
+/// one call ([`super::packed_amx::matmul_many`]: one split of `x`, one parallel loop over all
+/// their row groups); any other runs alone. Each output is the bits [`matmul`] gives.
+pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+    use super::packed_amx::{MANY, matmul_many as on_tiles, takes};
+    use smallvec::SmallVec;
+    assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
+    let cols = ws.first().map(|w| w.cols());
+    let mut mats: SmallVec<[&super::packed::PackedMatrix; MANY]> = SmallVec::new();
+    let mut touts: SmallVec<[&mut [f32]; MANY]> = SmallVec::new();
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        match w {
+            Matrix::Packed(p) if mats.len() < MANY && takes(p) && Some(p.cols) == cols => {
+                mats.push(p);
+                touts.push(&mut **out);
+            }
+            _ => matmul(w, x, tokens, out),
+        }
+    }
+    if !mats.is_empty() {
+        on_tiles(&mats, x, tokens, &mut touts);
+    }
+}
+
 /// [`matmul`] over a weight read in its stored format, row by row.
 fn matmul_stored(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());

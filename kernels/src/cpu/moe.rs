@@ -103,8 +103,7 @@ pub fn moe_experts(
         }
         a.resize(n * inter, 0.0);
         u.resize(n * inter, 0.0);
-        super::gemm::matmul(&ex.w1, zin, n, &mut a[..n * inter]);
-        super::gemm::matmul(&ex.w3, zin, n, &mut u[..n * inter]);
+        super::gemm::matmul_many(&[ex.w1, ex.w3], zin, n, &mut [&mut a[..n * inter], &mut u[..n * inter]]);
         super::situ::situ_rows(&mut a[..n * inter], &u[..n * inter], act.beta, act.linear_beta);
         super::gemm::matmul(&ex.w2, &a[..n * inter], n, y);
         EXPERT_BUFS.with(|b| *b.borrow_mut() = bufs);

@@ -92,11 +92,35 @@ thread_local! {
 
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]` on the tiles; see the module documentation.
 pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
-    assert!(takes(w), "packed_amx::matmul on a matrix it does not take");
-    let (rows, cols) = (w.rows, w.cols);
+    matmul_many(&[w], x, tokens, &mut [out]);
+}
+
+/// Most products [`matmul_many`] takes in one call.
+pub const MANY: usize = 8;
+
+/// `outs[i][t, r] = Σ_c W_i[r, c] · x[t, c]` for up to [`MANY`] matrices over the same
+/// activations: the activations are split once, and every matrix's row groups are the tasks of
+/// one parallel loop, so the products share one hand-off and one tail instead of one each. Each
+/// output is the same bits as [`matmul`] of its matrix alone.
+pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+    assert!(ws.len() <= MANY, "amx matmul_many: {} matrices, at most {MANY}", ws.len());
+    assert_eq!(ws.len(), outs.len(), "amx matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
+    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    // Every group task of matrix i is one of starts[i]..starts[i + 1].
+    let mut starts = [0usize; MANY + 1];
+    let mut ptrs = [None; MANY];
+    let mut work = 0usize;
+    for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        assert!(takes(w), "packed_amx::matmul on a matrix it does not take");
+        assert_eq!(w.cols, cols, "amx matmul_many: matrix {i} has {} columns, the first {cols}", w.cols);
+        assert_eq!(out.len(), tokens * w.rows, "amx matmul: out has {} values, want {tokens}×{}", out.len(), w.rows);
+        starts[i + 1] = starts[i] + w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
+        ptrs[i] = Some(DisjointOut::new(out));
+        work += w.rows * cols * tokens;
+    }
     assert_eq!(x.len(), tokens * cols, "amx matmul: x has {} values, want {tokens}×{cols}", x.len());
-    assert_eq!(out.len(), tokens * rows, "amx matmul: out has {} values, want {tokens}×{rows}", out.len());
-    if tokens == 0 || rows == 0 {
+    let tasks = starts[ws.len()];
+    if tokens == 0 || tasks == 0 {
         return;
     }
     let blocks = cols.div_ceil(TILE_COLS);
@@ -123,14 +147,19 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
         split.chunks_mut(per_tile).enumerate().for_each(one);
     }
     let split: &[u16] = split;
-    let groups = w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
-    let ptr = DisjointOut::new(out);
-    // SAFETY (both): AMX and AVX-512 are enabled; each group task writes only its own rows.
-    let run = |g: usize| unsafe { x86::group(w, split, tokens, g, ptr) };
-    if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
-        (0..groups).for_each(run);
+    let run = |task: usize| {
+        // The matrix whose groups hold `task` (at most MANY to scan).
+        let i = (0..ws.len()).rfind(|&i| starts[i] <= task).unwrap_or(0);
+        if let Some(out) = ptrs[i] {
+            // SAFETY: AMX and AVX-512 are enabled; each group task writes only its own rows of
+            // its own matrix's output.
+            unsafe { x86::group(ws[i], split, tokens, task - starts[i], out) };
+        }
+    };
+    if work < SERIAL_WORK || tasks == 1 || rayon::current_num_threads() == 1 {
+        (0..tasks).for_each(run);
     } else {
-        (0..groups).into_par_iter().for_each(run);
+        (0..tasks).into_par_iter().for_each(run);
     }
     SPLIT.with(|s| {
         let mut slot = s.borrow_mut();
