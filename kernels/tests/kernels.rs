@@ -168,6 +168,31 @@ fn decayed_dots_match_f64() {
     }
 }
 
+/// `dot4` and `axpy_rows_by` (the MLA attention's blocked scores and context) give the bits of
+/// `dot` per row and of one `axpy` per row in turn, for lengths with and without vector tails.
+#[test]
+fn blocked_dots_and_axpys_match_one_at_a_time() {
+    use kimi_kernels::cpu::simd::{axpy, axpy_rows_by, dot, dot4};
+    let mut rng = StdRng::seed_from_u64(12);
+    for n in [1usize, 15, 16, 17, 31, 32, 33, 64, 255, 320] {
+        let a = randn(&mut rng, n);
+        let rows: Vec<Vec<f32>> = (0..9).map(|_| randn(&mut rng, n + 3)).collect();
+        let got = dot4(&a, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+        for j in 0..4 {
+            assert_eq!(got[j].to_bits(), dot(&a, &rows[j]).to_bits(), "n {n}: dot4 row {j}");
+        }
+        let alphas = randn(&mut rng, rows.len());
+        let mut want = randn(&mut rng, n);
+        let mut blocked = want.clone();
+        for (r, &al) in rows.iter().zip(&alphas) {
+            axpy(al, &r[..n], &mut want);
+        }
+        axpy_rows_by(&alphas, |i| &rows[i][..], &mut blocked);
+        let same = want.iter().zip(&blocked).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "n {n}: axpy_rows_by differs from axpy row by row");
+    }
+}
+
 /// The chunk form's decay factors: e^d within f32 rounding down to the floor, exactly 0 below it
 /// (never a subnormal, which would cost a microcode assist in every product it meets), NaN kept.
 #[test]

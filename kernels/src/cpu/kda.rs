@@ -2,7 +2,7 @@
 //! chunked WY form (prefill). The state `S` is key-major `[K, V]`:
 //! `S_t = (I − β k kᵀ) diag(e^{g_t}) S_{t−1} + β k vᵀ`, `o_t = S_tᵀ q_t`.
 
-use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, gemm_rows, mul_exp_diff, simd_level};
+use super::simd::{SimdLevel, axpy, axpy_rows, decayed_dots, dot, dot4, gemm_rows, mul_exp_diff, simd_level};
 
 /// Tokens per chunk in the chunked prefill (fla's C).
 pub const CHUNK: usize = 64;
@@ -140,17 +140,32 @@ pub fn kda_chunk(
             let (kj, gj) = (&k[j * dk..(j + 1) * dk], &gam[j * dk..(j + 1) * dk]);
             mul_exp_diff(kj, gr, Some(gj), &mut s.kr[j * dk..(j + 1) * dk]);
         }
-        s.qs.resize(dk, 0.0);
-        s.ks.resize(dk, 0.0);
-        for i in b0..b1 {
-            let gi = &gam[i * dk..(i + 1) * dk];
-            mul_exp_diff(&q[i * dk..(i + 1) * dk], gi, Some(gr), &mut s.qs);
-            mul_exp_diff(&k[i * dk..(i + 1) * dk], gi, Some(gr), &mut s.ks);
+        // Two rows i at a time: four dot products per kr_j, each the bits of its own `dot`.
+        s.qs.resize(2 * dk, 0.0);
+        s.ks.resize(2 * dk, 0.0);
+        let mut i = b0;
+        while i < b1 {
+            let pair = (b1 - i).min(2);
+            for r in 0..pair {
+                let gi = &gam[(i + r) * dk..(i + r + 1) * dk];
+                mul_exp_diff(&q[(i + r) * dk..(i + r + 1) * dk], gi, Some(gr), &mut s.qs[r * dk..(r + 1) * dk]);
+                mul_exp_diff(&k[(i + r) * dk..(i + r + 1) * dk], gi, Some(gr), &mut s.ks[r * dk..(r + 1) * dk]);
+            }
             for j in 0..b0 {
                 let kr = &s.kr[j * dk..(j + 1) * dk];
-                s.aqk[i * n + j] = dot(&s.qs, kr);
-                s.akk[i * n + j] = beta[i] * dot(&s.ks, kr);
+                if pair == 2 {
+                    let (qs, ks) = (&s.qs, &s.ks);
+                    let [q0, k0, q1, k1] = dot4(kr, [&qs[..dk], &ks[..dk], &qs[dk..], &ks[dk..]]);
+                    s.aqk[i * n + j] = q0;
+                    s.akk[i * n + j] = beta[i] * k0;
+                    s.aqk[(i + 1) * n + j] = q1;
+                    s.akk[(i + 1) * n + j] = beta[i + 1] * k1;
+                } else {
+                    s.aqk[i * n + j] = dot(&s.qs[..dk], kr);
+                    s.akk[i * n + j] = beta[i] * dot(&s.ks[..dk], kr);
+                }
             }
+            i += pair;
         }
     }
     let gam = &s.gamma;

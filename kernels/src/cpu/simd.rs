@@ -68,6 +68,33 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// [`dot`] of `a` with each of four rows, each result the bits of its own `dot` (the AVX-512
+/// kernel runs the four chains side by side, so each load of `a` feeds four products).
+pub fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; every row holds at least a.len() values.
+        SimdLevel::Avx512 if b.iter().all(|r| r.len() >= a.len()) => unsafe { x86::dot4_avx512(a, b) },
+        _ => b.map(|r| dot(a, r)),
+    }
+}
+
+/// `y += alphas[i] · row(i)` for every i in turn, each row at least `y.len()` long: the bits of
+/// one [`axpy`] per row in that order (the AVX-512 kernel keeps up to 64 lanes of `y` in
+/// registers across all the rows instead of loading and storing them once per row).
+pub fn axpy_rows_by<'r>(alphas: &[f32], row: impl Fn(usize) -> &'r [f32], y: &mut [f32]) {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level was detected at run time; the kernel checks each row's length.
+        SimdLevel::Avx512 => unsafe { x86::axpy_rows_by_avx512(alphas, &row, y) },
+        _ => {
+            for (i, &a) in alphas.iter().enumerate() {
+                axpy(a, row(i), y);
+            }
+        }
+    }
+}
+
 /// y[i] += alpha · x[i].
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());
@@ -381,6 +408,105 @@ pub(crate) mod x86 {
             c += 16;
         }
         (_mm512_reduce_add_ps(sq), _mm512_reduce_add_ps(sk))
+    }
+
+    /// Four [`dot_avx512`] chains side by side: the same operations per row, in the same order.
+    ///
+    /// SAFETY (caller): AVX-512F; every row of `b` holds at least `a.len()` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4_avx512(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+        let n = a.len();
+        let mut acc0 = [_mm512_setzero_ps(); 4];
+        let mut acc1 = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY (all loads): lanes below n of a and of each row (n ≤ its length).
+        unsafe {
+            while i + 32 <= n {
+                let (a0, a1) = (_mm512_loadu_ps(a.as_ptr().add(i)), _mm512_loadu_ps(a.as_ptr().add(i + 16)));
+                for j in 0..4 {
+                    acc0[j] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(b[j].as_ptr().add(i)), acc0[j]);
+                    acc1[j] = _mm512_fmadd_ps(a1, _mm512_loadu_ps(b[j].as_ptr().add(i + 16)), acc1[j]);
+                }
+                i += 32;
+            }
+            if i + 16 <= n {
+                let a0 = _mm512_loadu_ps(a.as_ptr().add(i));
+                for j in 0..4 {
+                    acc0[j] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(b[j].as_ptr().add(i)), acc0[j]);
+                }
+                i += 16;
+            }
+            if i < n {
+                let m: __mmask16 = (1u32 << (n - i)).wrapping_sub(1) as __mmask16;
+                let a1 = _mm512_maskz_loadu_ps(m, a.as_ptr().add(i));
+                for j in 0..4 {
+                    acc1[j] = _mm512_fmadd_ps(a1, _mm512_maskz_loadu_ps(m, b[j].as_ptr().add(i)), acc1[j]);
+                }
+            }
+        }
+        [0, 1, 2, 3].map(|j| _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])))
+    }
+
+    /// [`super::axpy_rows_by`]: 64 lanes of `y` at a time in registers across every row, each
+    /// lane updated as [`axpy_avx512`] would (FMA on whole vectors; the last `y.len() % 16` lanes
+    /// multiply and add, as its scalar tail does).
+    ///
+    /// SAFETY (caller): AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy_rows_by_avx512<'r>(alphas: &[f32], row: &dyn Fn(usize) -> &'r [f32], y: &mut [f32]) {
+        let n = y.len();
+        for i in 0..alphas.len() {
+            assert!(row(i).len() >= n, "axpy_rows_by: row {i} has {} values, y {n}", row(i).len());
+        }
+        let body = n - n % 16;
+        let mut c = 0;
+        while c < body {
+            let nv = ((body - c) / 16).min(4);
+            // SAFETY: lanes c..c + 16 nv lie inside y and (checked above) every row.
+            unsafe {
+                match nv {
+                    1 => axpy_rows_block::<1>(alphas, row, y, c),
+                    2 => axpy_rows_block::<2>(alphas, row, y, c),
+                    3 => axpy_rows_block::<3>(alphas, row, y, c),
+                    _ => axpy_rows_block::<4>(alphas, row, y, c),
+                }
+            }
+            c += 16 * nv;
+        }
+        for (i, &a) in alphas.iter().enumerate() {
+            for (yj, xj) in y[body..].iter_mut().zip(&row(i)[body..n]) {
+                *yj += a * xj;
+            }
+        }
+    }
+
+    /// Lanes `c..c + 16 NV` of [`axpy_rows_by_avx512`].
+    ///
+    /// SAFETY (caller): AVX-512F; those lanes lie inside `y` and every row.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)] // constant ranges unroll into named registers
+    unsafe fn axpy_rows_block<'r, const NV: usize>(
+        alphas: &[f32],
+        row: &dyn Fn(usize) -> &'r [f32],
+        y: &mut [f32],
+        c: usize,
+    ) {
+        // SAFETY (all accesses): lanes c..c + 16 NV of y and of each row (caller).
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); NV];
+            for v in 0..NV {
+                acc[v] = _mm512_loadu_ps(y.as_ptr().add(c + 16 * v));
+            }
+            for (i, &a) in alphas.iter().enumerate() {
+                let (va, r) = (_mm512_set1_ps(a), row(i).as_ptr().add(c));
+                for v in 0..NV {
+                    acc[v] = _mm512_fmadd_ps(va, _mm512_loadu_ps(r.add(16 * v)), acc[v]);
+                }
+            }
+            for v in 0..NV {
+                _mm512_storeu_ps(y.as_mut_ptr().add(c + 16 * v), acc[v]);
+            }
+        }
     }
 
     #[target_feature(enable = "avx512f")]
