@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -626,7 +627,18 @@ impl Model {
             // starts inside the pool instead of handing work to it and sleeping until it is done,
             // op by op (hundreds of wake-ups a step, measured as a sixth of a small model's
             // serving time).
-            rayon::scope(|_| self.rank_step(&self.ranks[0], &step, first, &mut taps, trace, times))
+            // The pool's other threads stay in the step (taking its parallel work as it comes)
+            // instead of parking whenever a serial stretch outlasts rayon's spin, which cost a
+            // wake-up (~15 µs) on the next op, about a hundred times a decode step.
+            let done = AtomicBool::new(false);
+            rayon::scope(|sc| {
+                let _inside = InStep::enter();
+                for _ in 1..rayon::current_num_threads() {
+                    sc.spawn(|_| stay_in_step(&done));
+                }
+                let _release = SetOnDrop(&done);
+                self.rank_step(&self.ranks[0], &step, first, &mut taps, trace, times)
+            })
         } else {
             // Ranks run in lock-step on their own threads, meeting in the collectives.
             // Every rank holds the same partial sums after the all-reduces: rank 0 records taps.
@@ -905,4 +917,64 @@ fn record_selection(tr: &mut Trace, layer: usize, sel: &[super::indexer::Selecti
     tr.f32(format!("index.layer{layer}.scores"), &[tokens, total], &scores);
     let margins: Vec<f32> = sel.iter().map(|s| s.margin).collect();
     tr.f32(format!("index.layer{layer}.margin"), &[tokens], &margins);
+}
+
+/// Sets its flag when dropped, on return or unwind alike (so a panicking step still lets the
+/// threads in [`stay_in_step`] go).
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+thread_local! {
+    /// Whether this thread is running a step (its frames are somewhere on the stack).
+    static IN_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as running a step until dropped (restoring what it was: steps of other
+/// models may nest on a pool thread that picked one up while waiting).
+struct InStep(bool);
+
+impl InStep {
+    fn enter() -> InStep {
+        InStep(IN_STEP.with(|s| s.replace(true)))
+    }
+}
+
+impl Drop for InStep {
+    fn drop(&mut self) {
+        IN_STEP.with(|s| s.set(self.0));
+    }
+}
+
+/// Runs the pool's pending jobs on this thread until `done`: a worker of the step that would
+/// otherwise park between ops. A thread inside a step returns at once: that step's own thread
+/// would wait on itself, and one of another step (two models sharing the pool) could wait on a
+/// step whose own thread waits on it in turn. So only threads outside every step stay, and
+/// none of them holds up a step.
+fn stay_in_step(done: &AtomicBool) {
+    if IN_STEP.with(|s| s.get()) {
+        return;
+    }
+    let mut idle = 0u32;
+    while !done.load(Ordering::Acquire) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle = 0;
+            continue;
+        }
+        // A short pause between looks, so the search does not contend with the step's own
+        // thread for the pool's queues; now and then the core goes to any other runnable thread
+        // (the server's HTTP and plugin work), which a yield costs little when there is none.
+        idle += 1;
+        if idle.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
+        }
+    }
 }
