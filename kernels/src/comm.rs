@@ -28,6 +28,18 @@ impl CommStats {
         self.all_reduces + self.all_gathers + self.reduce_scatters + self.broadcasts
     }
 
+    /// `self + other`, per field (a rank's calls over two groups).
+    pub fn plus(&self, other: &CommStats) -> CommStats {
+        CommStats {
+            all_reduces: self.all_reduces + other.all_reduces,
+            all_gathers: self.all_gathers + other.all_gathers,
+            reduce_scatters: self.reduce_scatters + other.reduce_scatters,
+            broadcasts: self.broadcasts + other.broadcasts,
+            barriers: self.barriers + other.barriers,
+            bytes_sent: self.bytes_sent + other.bytes_sent,
+        }
+    }
+
     /// `self − earlier`, per field.
     pub fn since(&self, earlier: &CommStats) -> CommStats {
         CommStats {

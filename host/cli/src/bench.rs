@@ -21,6 +21,8 @@ pub struct ForwardBench {
     pub threads: usize,
     /// Tensor-parallel ranks (threads sharing `threads`).
     pub tensor_parallel: usize,
+    /// Ranks of each context-parallel group (1: none); their collectives count in the totals.
+    pub context_parallel: usize,
     pub prompt_len: usize,
     pub decode_steps: usize,
     /// One prompt alone.
@@ -331,6 +333,7 @@ pub fn bench_forward(
         simd: if kimi_kernels::amx_enabled() { "avx512f + amx-bf16 tiles" } else { kimi_kernels::simd_level().name() },
         threads: rayon::current_num_threads(),
         tensor_parallel: par.tensor,
+        context_parallel: par.context,
         prompt_len: prompt.len(),
         decode_steps: decode,
         prefill_seconds: prefill,
@@ -413,7 +416,11 @@ impl std::fmt::Display for ForwardBench {
             }
         }
         if self.tensor_parallel > 1 {
-            writeln!(f, "tensor parallel {}: per rank and decode step", self.tensor_parallel)?;
+            let cp = match self.context_parallel {
+                1 => String::new(),
+                c => format!(" with context-parallel groups of {c}"),
+            };
+            writeln!(f, "tensor parallel {}{cp}: per rank and decode step", self.tensor_parallel)?;
             for r in &self.batches {
                 writeln!(
                     f,

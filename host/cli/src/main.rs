@@ -255,8 +255,9 @@ struct ModelArgs {
     /// vocabulary split across them.
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
-    /// Context-parallel ranks (1, or the tensor-parallel size): they split each sequence's
-    /// latent cache by pages and merge their attention exactly.
+    /// Context-parallel ranks (a divisor of the tensor-parallel size): each group of this many
+    /// consecutive ranks splits a sequence's latent cache by pages and merges its attention
+    /// exactly.
     #[arg(long, default_value_t = 1)]
     context_parallel: usize,
     /// Requantise attention, dense-MLP and shared-expert linears to FP8 E4M3 at load.

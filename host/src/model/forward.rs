@@ -65,6 +65,10 @@ pub struct Rank {
     lm_head: Weight,
     scratch: Scratch,
     comm: ThreadComm,
+    /// This rank's communicator within its context-parallel group (the `context` consecutive
+    /// ranks that split each sequence's latent pages between them); `None` without context
+    /// parallelism.
+    context_comm: Option<ThreadComm>,
     /// This rank's threads (ranks run side by side; each waits in collectives on the others, so
     /// they cannot share one pool's workers). `None` at TP 1: the global pool.
     pool: Option<rayon::ThreadPool>,
@@ -125,7 +129,8 @@ pub struct Parallelism {
     /// Tensor-parallel ranks (`--tensor-parallel`).
     pub tensor: usize,
     /// Ranks of the tensor-parallel group that split each sequence's latent cache by pages
-    /// instead of each holding all of it (`--context-parallel`): 1, or the tensor-parallel size.
+    /// instead of each holding all of it (`--context-parallel`): a divisor of the tensor-parallel
+    /// size; groups of this many consecutive ranks each split the pages.
     pub context: usize,
     /// Routed experts placed whole on the tensor-parallel ranks (a contiguous range each)
     /// instead of split on their intermediate dimension (`--expert-parallel`).
@@ -169,22 +174,26 @@ impl Model {
         let config = load_config(dir)?;
         let n = par.tensor;
         let rank_config = rank_config(&config.text, n)?;
-        if par.context != 1 && par.context != n {
+        let cp = par.context;
+        if cp == 0 || !n.is_multiple_of(cp) {
             return Err(ModelError::Parallel {
                 msg: format!(
-                    "--context-parallel {} runs on the tensor-parallel ranks: it must be 1 or equal --tensor-parallel {n}",
-                    par.context
+                    "--context-parallel {cp} runs on the tensor-parallel ranks: it must divide --tensor-parallel {n}"
                 ),
             });
         }
         let ck = Checkpoint::open(dir)?;
         let mut ranks = Vec::with_capacity(n);
         let comms = ThreadComm::group(n);
+        // Ranks g·cp .. (g + 1)·cp form context-parallel group g; rank r holds the pages of
+        // group rank r % cp (as `SequenceState::new_in` lays them out).
+        let mut context_comms = (0..n / cp).flat_map(|_| ThreadComm::group(cp));
         for (r, comm) in comms.into_iter().enumerate() {
             let mut src = CheckpointSource::new(&ck);
             src.fp8_dense = fmt.fp8_dense;
             let mut rank = Model::build_rank(&config.text, &mut src, Shard { rank: r, size: n }, par.expert, comm)?;
             rank.loaded = src.loaded;
+            rank.context_comm = if cp > 1 { context_comms.next() } else { None };
             ranks.push(rank);
         }
         let mut model = Model::assemble(config, rank_config, ranks)?;
@@ -283,6 +292,7 @@ impl Model {
             lm_head,
             scratch: Scratch::new(),
             comm,
+            context_comm: None,
             pool: None,
             loaded: Vec::new(),
         })
@@ -392,9 +402,12 @@ impl Model {
         &self.rank_config
     }
 
-    /// Collectives each rank has made so far (rank 0's; every rank makes the same calls).
+    /// Collectives each rank has made so far (rank 0's, over the whole group and its
+    /// context-parallel group; every rank makes the same calls).
     pub fn comm_stats(&self) -> CommStats {
-        self.ranks[0].comm.stats()
+        let r = &self.ranks[0];
+        let whole = r.comm.stats();
+        r.context_comm.as_ref().map_or(whole, |c| whole.plus(&c.stats()))
     }
 
     /// The backend the ops run on.
@@ -758,7 +771,10 @@ impl Model {
                         .iter_mut()
                         .map(|s| s.mla_mut(i).ok_or(ModelError::StateMismatch { layer: i }))
                         .collect::<Result<_, _>>()?;
-                    let cp = (self.context > 1).then_some(ContextParallel { comm, want_scores: step.traced });
+                    let cp = rank
+                        .context_comm
+                        .as_ref()
+                        .map(|c| ContextParallel { comm: c as &dyn Communicator, want_scores: step.traced });
                     let (u, sel) = m.forward(be, sc, &x, layout, &mut caches, cp.as_ref())?;
                     if let (Some(tr), Some(sel), Some(ix)) = (tr.as_deref_mut(), sel, &m.indexer) {
                         record_selection(tr, i, &sel, ix.topk(), layout.spans[0].pos);

@@ -195,33 +195,35 @@ fn tensor_parallel_3_splits_uneven_dimensions() {
     }
 }
 
-/// Context parallelism over the tensor-parallel ranks against the same ranks without it: every
-/// rank holds every n-th latent page; the indexer's selections must be identical and the logits
-/// within 1e-4 (only the attention's softmax is regrouped, by rank).
-fn check_context_parallel(dir: &Path, n: usize, prompt: &[u32]) -> f32 {
+/// Context parallelism over the tensor-parallel ranks against the same ranks without it: each
+/// group of `c` consecutive ranks splits the latent pages (every rank holds every c-th page of
+/// its group); the indexer's selections must be identical and the logits within 1e-4 (only the
+/// attention's softmax is regrouped, by rank).
+fn check_context_parallel(dir: &Path, n: usize, c: usize, prompt: &[u32]) -> f32 {
     let plain = Model::load_with(dir, Parallelism::tensor(n)).expect("TP");
-    let cp = Model::load_with(dir, Parallelism { tensor: n, context: n, expert: false }).expect("TP with CP");
+    let cp = Model::load_with(dir, Parallelism { tensor: n, context: c, expert: false }).expect("TP with CP");
+    assert_eq!(cp.cache_replicas(), n / c, "one copy of each page per group");
     let layers = plain.text_config().num_layers;
     let topk = plain.text_config().indexer.as_ref().map_or(0, |ix| ix.topk);
     assert!(prompt.len() > topk, "the sequence must outgrow the indexer's top-k ({topk})");
     let (p1, d1, t1, g1) = run(&plain, prompt, 6);
     let (p2, d2, t2, g2) = run(&cp, prompt, 6);
-    assert_eq!(g1, g2, "CP {n}: greedy tokens");
+    assert_eq!(g1, g2, "CP {c} of TP {n}: greedy tokens");
     let mut pruned = 0;
     for (a, b) in t1.iter().zip(&t2) {
         let (sa, sb) = (selections(a, layers), selections(b, layers));
-        assert_eq!(sa, sb, "CP {n}: indexer selections");
+        assert_eq!(sa, sb, "CP {c} of TP {n}: indexer selections");
         pruned += sa.iter().filter(|s| s.len() == topk).count();
     }
     assert!(pruned > 0, "the indexer pruned positions");
-    // Pages really are split: rank 0 holds about 1/n of them.
+    // Pages really are split: rank 0 holds about 1/c of them.
     let mut st = cp.new_state();
     cp.forward(prompt, &mut st, LogitsFor::LastToken, None).expect("prefill");
     let mla = (0..layers).find(|&i| st.mla(i).is_some()).expect("an MLA layer");
     let held = st.mla(mla).expect("cache").pages();
-    assert_eq!(held, prompt.len().div_ceil(16).div_ceil(n), "rank 0 holds every {n}-th page");
+    assert_eq!(held, prompt.len().div_ceil(16).div_ceil(c), "rank 0 holds every {c}-th page");
     let d = max_abs_diff(&p1, &p2).max(max_abs_diff(&d1, &d2));
-    assert!(d <= 1e-4, "CP {n}: logits differ by {d}");
+    assert!(d <= 1e-4, "CP {c} of TP {n}: logits differ by {d}");
     d
 }
 
@@ -232,8 +234,11 @@ fn context_parallel_2_and_3_equal_one_cache_per_rank() {
     while prompt.len() < 100 {
         prompt.extend_from_within(..prompt.len().min(100 - prompt.len()));
     }
-    let d = check_context_parallel(&g.dir, 2, &prompt);
+    let d = check_context_parallel(&g.dir, 2, 2, &prompt);
     eprintln!("k31-tiny-indexer CP 2: max |Δ logits| {d:.2e}");
+    // Two groups of two: each group keeps one copy of the pages, split between its ranks.
+    let d = check_context_parallel(&g.dir, 4, 2, &prompt);
+    eprintln!("k31-tiny-indexer CP 2 of TP 4: max |Δ logits| {d:.2e}");
 
     let mut cfg = tiny_config(&TinyOptions { seed: 9, k31: true, mxfp4: false, vision: false });
     let t = &mut cfg["text_config"];
@@ -244,13 +249,13 @@ fn context_parallel_2_and_3_equal_one_cache_per_rank() {
     let dir = tempfile::tempdir().expect("tempdir");
     write_random_checkpoint(dir.path(), &cfg, 9, false).expect("random model");
     let prompt: Vec<u32> = (0..70).map(|i| (i * 53 % 250) as u32 + 3).collect();
-    let d = check_context_parallel(dir.path(), 3, &prompt);
+    let d = check_context_parallel(dir.path(), 3, 3, &prompt);
     eprintln!("3-head model CP 3: max |Δ logits| {d:.2e}");
 
     match Model::load_with(dir.path(), Parallelism { tensor: 3, context: 2, expert: false }) {
         Err(ModelError::Parallel { msg }) => assert!(msg.contains("context-parallel"), "{msg}"),
         Err(e) => panic!("wrong error {e}"),
-        Ok(_) => panic!("CP 2 of TP 3 is refused"),
+        Ok(_) => panic!("CP 2 of TP 3 is refused (2 does not divide 3)"),
     }
 }
 
