@@ -153,7 +153,8 @@ pub trait Backend: Send + Sync {
 
     /// This backend's layout of a weight for [`Backend::matmul`], made once at load, or `None` to
     /// read the stored format (the CPU backend packs BF16 and MXFP4 into 16-row panels; every
-    /// product over it is one fused multiply-add chain per output, whatever the batch).
+    /// product over it sums each output the same way whatever the batch: fused multiply-add
+    /// chains over 16-column blocks, the blocks added pairwise).
     fn prepare_matrix(&self, w: &Matrix<'_>) -> Option<PackedMatrix>;
 
     /// `out[t, r] = Σ_c W[r, c] · x[t, c]`, one read of W for all tokens.

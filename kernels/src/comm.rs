@@ -2,13 +2,16 @@
 //! [`Communicator`] object per rank, every rank calling the same collectives in the same order.
 //!
 //! [`ThreadComm`] is the in-process implementation for CPU ranks (one thread per rank): each rank
-//! writes its slot, waits at a barrier, then every rank reduces the slots **in rank order**, so
-//! all ranks hold bit-identical results (as a real all-reduce gives every rank the same bits), and
-//! waits again before a slot may be reused. `gpu::nccl::NcclComm` (feature `cuda`) implements the
+//! writes its slot, waits at a barrier, then every rank reduces the slots **pairwise in rank
+//! order** (the sum of n ranks is the sum of the first 2^k, 2^k the largest power of two below n,
+//! plus the sum of the rest), so all ranks hold bit-identical results (as a real all-reduce gives
+//! every rank the same bits), and waits again before a slot may be reused. Pairwise is how a
+//! packed product adds its column blocks (`cpu::packed`), so ranks holding whole blocks of a
+//! row-parallel product reproduce one rank's sum bit for bit. `gpu::nccl::NcclComm` (feature `cuda`) implements the
 //! same trait over NCCL / RCCL.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex, PoisonError};
+use std::sync::{Arc, Barrier, PoisonError, RwLock};
 
 /// Counts of one rank's collectives (for benches: calls and payload bytes a step).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -60,7 +63,8 @@ pub trait Communicator: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn size(&self) -> usize;
-    /// `buf ← Σ_ranks buf`, the same bits on every rank.
+    /// `buf ← Σ_ranks buf`, the same bits on every rank ([`ThreadComm`] adds pairwise in rank
+    /// order; NCCL / RCCL in their own order).
     fn all_reduce_sum(&self, buf: &mut [f32]);
     /// `out ←` every rank's `local` concatenated in rank order; ranks may contribute different
     /// lengths (a vocabulary split unevenly), and `out` holds their sum.
@@ -78,7 +82,8 @@ pub trait Communicator: Send + Sync {
 
 /// The shared side of a thread group: one slot per rank and a barrier.
 struct Group {
-    slots: Vec<Mutex<Vec<f32>>>,
+    /// Written by their own rank only, read by every rank between the two barriers.
+    slots: Vec<RwLock<Vec<f32>>>,
     barrier: Barrier,
 }
 
@@ -100,8 +105,10 @@ impl ThreadComm {
     /// A group of `size` ranks: element `r` is rank `r`'s communicator, to hand to its thread.
     pub fn group(size: usize) -> Vec<ThreadComm> {
         let size = size.max(1);
-        let group =
-            Arc::new(Group { slots: (0..size).map(|_| Mutex::new(Vec::new())).collect(), barrier: Barrier::new(size) });
+        let group = Arc::new(Group {
+            slots: (0..size).map(|_| RwLock::new(Vec::new())).collect(),
+            barrier: Barrier::new(size),
+        });
         (0..size).map(|rank| ThreadComm { rank, group: group.clone(), counts: Default::default() }).collect()
     }
 
@@ -112,7 +119,7 @@ impl ThreadComm {
 
     /// Copies `data` into this rank's slot.
     fn deposit(&self, data: &[f32]) {
-        let mut slot = self.group.slots[self.rank].lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.group.slots[self.rank].write().unwrap_or_else(PoisonError::into_inner);
         slot.clear();
         slot.extend_from_slice(data);
     }
@@ -120,8 +127,38 @@ impl ThreadComm {
     /// Runs `f` over every rank's slot in rank order.
     fn read_slots(&self, mut f: impl FnMut(usize, &[f32])) {
         for (r, slot) in self.group.slots.iter().enumerate() {
-            let slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
             f(r, &slot);
+        }
+    }
+
+    /// `out ← Σ_ranks slot[range]`, added pairwise (see the module docs).
+    fn sum_slots(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        let guards: Vec<_> =
+            self.group.slots.iter().map(|s| s.read().unwrap_or_else(PoisonError::into_inner)).collect();
+        for (r, g) in guards.iter().enumerate() {
+            assert!(g.len() >= range.end, "collective: rank {r} sent {} values, want {}", g.len(), range.end);
+        }
+        let parts: Vec<&[f32]> = guards.iter().map(|g| &g[range.clone()]).collect();
+        let mut spare = vec![0f32; if parts.len() > 2 { out.len() } else { 0 }];
+        pairwise(&parts, out, &mut spare);
+    }
+}
+
+/// `out ← Σ parts`: the first 2^k parts (2^k the largest power of two below their count) summed
+/// the same way, plus the rest summed the same way. `spare` is room for one more sum (needed
+/// with three parts or more).
+fn pairwise(parts: &[&[f32]], out: &mut [f32], spare: &mut [f32]) {
+    match parts.len() {
+        0 => out.fill(0.0),
+        1 => out.copy_from_slice(parts[0]),
+        2 => out.iter_mut().zip(parts[0].iter().zip(parts[1])).for_each(|(o, (a, b))| *o = a + b),
+        n => {
+            let mid = 1 << (n - 1).ilog2();
+            pairwise(&parts[..mid], out, spare);
+            let mut deeper = vec![0f32; if n - mid > 2 { out.len() } else { 0 }];
+            pairwise(&parts[mid..], spare, &mut deeper);
+            out.iter_mut().zip(spare.iter()).for_each(|(o, s)| *o += s);
         }
     }
 }
@@ -144,12 +181,8 @@ impl Communicator for ThreadComm {
         self.group.barrier.wait();
         self.read_slots(|r, slot| {
             assert_eq!(slot.len(), buf.len(), "all_reduce_sum: rank {r} sent a different length");
-            if r == 0 {
-                buf.copy_from_slice(slot);
-            } else {
-                buf.iter_mut().zip(slot).for_each(|(b, s)| *b += s);
-            }
         });
+        self.sum_slots(0..buf.len(), buf);
         self.group.barrier.wait();
     }
 
@@ -182,14 +215,7 @@ impl Communicator for ThreadComm {
         }
         self.deposit(input);
         self.group.barrier.wait();
-        self.read_slots(|r, slot| {
-            let part = &slot[mine.clone()];
-            if r == 0 {
-                out.copy_from_slice(part);
-            } else {
-                out.iter_mut().zip(part).for_each(|(o, s)| *o += s);
-            }
-        });
+        self.sum_slots(mine, out);
         self.group.barrier.wait();
     }
 
@@ -203,7 +229,7 @@ impl Communicator for ThreadComm {
         }
         self.group.barrier.wait();
         if self.rank != root {
-            let slot = self.group.slots[root].lock().unwrap_or_else(PoisonError::into_inner);
+            let slot = self.group.slots[root].read().unwrap_or_else(PoisonError::into_inner);
             buf.copy_from_slice(&slot);
         }
         self.group.barrier.wait();
@@ -242,37 +268,52 @@ mod tests {
         })
     }
 
-    #[test]
-    fn all_reduce_sums_in_rank_order_with_identical_bits_everywhere() {
-        for n in [1, 2, 3, 4] {
-            let out = on_ranks(n, |c| {
-                // Values whose sum depends on the order of additions in f32.
-                let mut v: Vec<f32> =
-                    (0..5).map(|i| (c.rank() as f32 + 1.0) * 1e7f32.powi(i % 2) + 0.1 * i as f32).collect();
-                for _ in 0..3 {
-                    c.all_reduce_sum(&mut v);
-                }
-                v
-            });
-            for r in &out {
-                assert_eq!(
-                    r.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    out[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-                );
+    /// The pairwise sum written out: the first 2^k values (2^k the largest power of two below
+    /// their count) and the rest, each summed the same way.
+    fn pairwise_reference(v: &[f32]) -> f32 {
+        match v.len() {
+            0 => 0.0,
+            1 => v[0],
+            n => {
+                let mid = 1 << (n - 1).ilog2();
+                pairwise_reference(&v[..mid]) + pairwise_reference(&v[mid..])
             }
-            // One round by hand: Σ_r (r + 1) · base in rank order.
-            let once = on_ranks(n, |c| {
-                let mut v = vec![1e7 + c.rank() as f32 * 0.3, 0.5];
-                c.all_reduce_sum(&mut v);
-                v
-            });
-            let mut want = [0f32; 2];
-            for r in 0..n {
-                want[0] += 1e7 + r as f32 * 0.3;
-                want[1] += 0.5;
-            }
-            assert_eq!(once[0], want.to_vec(), "sum in rank order at n = {n}");
         }
+    }
+
+    #[test]
+    fn all_reduce_sums_pairwise_with_identical_bits_everywhere() {
+        // Rank r's value: large values that cancel, so the association shows in the bits.
+        let value = |r: usize| [1.0f32, 1e8, -1e8, 1.0, 3e7, 0.25, -3e7][r] + r as f32 * 0.125;
+        for n in 1..=7 {
+            let out = on_ranks(n, |c| {
+                let mut v: Vec<f32> = (0..5).map(|i| value(c.rank()) * 1.5f32.powi(i)).collect();
+                c.all_reduce_sum(&mut v);
+                let mut again = v.clone();
+                c.all_reduce_sum(&mut again);
+                let mut part = vec![0f32; 1];
+                let counts: Vec<usize> = (0..n).map(|r| usize::from(r == 0)).collect();
+                c.reduce_scatter_sum(&[value(c.rank())], &counts, &mut part[..counts[c.rank()]]);
+                (v, again, part)
+            });
+            for (r, (v, again, part)) in out.iter().enumerate() {
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(v), bits(&out[0].0), "rank {r} of {n}: the same bits everywhere");
+                assert_eq!(bits(again), bits(&out[0].1));
+                for (i, got) in v.iter().enumerate() {
+                    let terms: Vec<f32> = (0..n).map(|q| value(q) * 1.5f32.powi(i as i32)).collect();
+                    let want = pairwise_reference(&terms);
+                    assert_eq!(got.to_bits(), want.to_bits(), "n = {n}, value {i}: {got} vs {want}");
+                }
+                if r == 0 {
+                    let want = pairwise_reference(&(0..n).map(value).collect::<Vec<_>>());
+                    assert_eq!(part[0].to_bits(), want.to_bits(), "reduce-scatter adds pairwise too (n = {n})");
+                }
+            }
+        }
+        // The values tell the orders apart: at 4 ranks, rank order and pairwise differ.
+        let seq = ((value(0) + value(1)) + value(2)) + value(3);
+        assert_ne!(seq.to_bits(), pairwise_reference(&(0..4).map(value).collect::<Vec<_>>()).to_bits());
     }
 
     #[test]

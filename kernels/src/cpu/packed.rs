@@ -3,9 +3,15 @@
 //! A panel holds rows `16p..16p+16` column pair by column pair: for each pair of columns the 16
 //! rows' two values sit side by side (BF16: 32 × 16 bits, one 512-bit register; MXFP4: the 16 rows'
 //! stored bytes, whose low and high nibbles are already the pair). The product broadcasts a
-//! token's column value and multiplies it into 16 rows at once, so every output is one fused
-//! multiply-add chain over the columns in order — no horizontal sums, and the same chain for any
+//! token's column value and multiplies it into 16 rows at once. Every output is defined bit for
+//! bit: one fused multiply-add chain from 0 per block of 16 columns in order, and the blocks'
+//! sums added pairwise (the sum of n blocks is the sum of the first 2^k, 2^k the largest power of
+//! two below n, plus the sum of the rest) — no horizontal sums, and the same arithmetic for any
 //! number of tokens, threads or SIMD level: a token's result is bit-identical alone or in a batch.
+//! The blocks make a row-parallel product exact under tensor parallelism: a rank whose columns
+//! are whole blocks sums exactly the blocks one rank would, and the ranks' pairwise all-reduce
+//! (`comm::ThreadComm`) adds those sums as the one rank's pairwise sum does (whenever the ranks
+//! hold power-of-two counts of whole blocks). They also sum more accurately than one long chain.
 //! On a CPU with AMX tiles, BF16 and MXFP4 products run in `packed_amx` over these same panels
 //! instead (a BF16 panel's 32-column block is a weight tile; the panels are padded to whole blocks).
 //! The packed copy takes the same bytes as the stored weight (BF16 2 bytes a value, MXFP4 half a
@@ -40,6 +46,61 @@ const TOKEN_TILE: usize = 4;
 const WIDEN_FROM: usize = 12;
 /// Below this many multiply-adds a call runs on the calling thread.
 const SERIAL_WORK: usize = 1 << 16;
+/// Column pairs in one block of a product's definition (module docs): 16 columns, half an
+/// MXFP4 scale group, so a block has one scale.
+pub const BLOCK_PAIRS: usize = 8;
+const _: () = assert!(GROUP.is_multiple_of(2 * BLOCK_PAIRS), "an MXFP4 scale group is whole blocks");
+/// Levels of [`PairwiseSum`]: up to 2^32 blocks.
+const LEVELS: usize = 32;
+
+/// Block sums added pairwise as they complete, like a binary counter: level l holds the sum of
+/// the last 2^l blocks not yet merged, and is set exactly when bit l of the count is. `T` is one
+/// value or a register tile of them. The levels start uninitialised: a tile call makes one of
+/// these per register tile, and clearing 32 levels of 1 KB each cost a fifth of a prefill.
+pub(crate) struct PairwiseSum<T: Copy> {
+    levels: [std::mem::MaybeUninit<T>; LEVELS],
+    count: usize,
+    zero: T,
+}
+
+impl<T: Copy> PairwiseSum<T> {
+    #[inline(always)]
+    pub(crate) fn new(zero: T) -> PairwiseSum<T> {
+        PairwiseSum { levels: [const { std::mem::MaybeUninit::uninit() }; LEVELS], count: 0, zero }
+    }
+
+    /// Adds the next block's sum `v`, merging each completed pair (earlier sum on the left).
+    #[inline(always)]
+    pub(crate) fn push(&mut self, mut v: T, add: impl Fn(T, T) -> T) {
+        let (mut c, mut l) = (self.count, 0);
+        while c & 1 == 1 {
+            // SAFETY: bit l of the count is set, so level l was written (see the type docs).
+            v = add(unsafe { self.levels[l].assume_init() }, v);
+            c >>= 1;
+            l += 1;
+        }
+        self.levels[l].write(v);
+        self.count += 1;
+    }
+
+    /// The sum of every block pushed: the partial levels, smallest (latest) first, each added
+    /// to the right of the larger one before it.
+    #[inline(always)]
+    pub(crate) fn total(&self, add: impl Fn(T, T) -> T) -> T {
+        let mut t: Option<T> = None;
+        for l in 0..LEVELS {
+            if self.count >> l & 1 == 1 {
+                // SAFETY: bit l of the count is set, so level l was written.
+                let level = unsafe { self.levels[l].assume_init() };
+                t = Some(match t {
+                    None => level,
+                    Some(t) => add(level, t),
+                });
+            }
+        }
+        t.unwrap_or(self.zero)
+    }
+}
 
 /// 16 floats on a cache line of their own: the widened weights are read as whole aligned lines
 /// (an unaligned buffer splits every load across two lines, measured at twice the step time).
@@ -225,7 +286,8 @@ fn mxfp4_row<'a>(q: &Mxfp4Matrix<'a>, r: usize) -> (&'a [u8], &'a [u8]) {
     (&q.packed[r * pb..(r + 1) * pb], &q.scales[r * sb..(r + 1) * sb])
 }
 
-/// `out[t, r] = Σ_c W[r, c] · x[t, c]`, each output one multiply-add chain over `c` in order.
+/// `out[t, r] = Σ_c W[r, c] · x[t, c]`, each output a multiply-add chain over each 16-column
+/// block in order, the blocks added pairwise (module docs).
 /// FP8 weights take each token's activations as E4M3 codes with one scale per token (see the
 /// module's documentation).
 pub fn matmul(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
@@ -427,12 +489,26 @@ fn tile_wide_generic(
     nt: usize,
     acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
 ) {
+    type Tile = [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
+    let add = |mut a: Tile, b: Tile| {
+        for (a, b) in a.iter_mut().flatten().flatten().zip(b.iter().flatten().flatten()) {
+            *a += b;
+        }
+        a
+    };
+    let zero = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
+    let mut sum = PairwiseSum::new(zero);
+    let mut block = zero;
     for q in 0..cols.div_ceil(2) {
+        if q > 0 && q.is_multiple_of(BLOCK_PAIRS) {
+            sum.push(block, add);
+            block = zero;
+        }
         let odd = 2 * q + 1 < cols;
         for j in 0..nt {
             let xe = x[(t0 + j) * cols + 2 * q];
             let xo = if odd { x[(t0 + j) * cols + 2 * q + 1] } else { 0.0 };
-            for (i, a) in acc.iter_mut().enumerate().take(np) {
+            for (i, a) in block.iter_mut().enumerate().take(np) {
                 let at = (q * GROUP_PANELS + i) * 2 * PANEL;
                 let (we, wo) = (&wide[at..at + PANEL], &wide[at + PANEL..at + 2 * PANEL]);
                 for r in 0..PANEL {
@@ -442,6 +518,8 @@ fn tile_wide_generic(
             }
         }
     }
+    sum.push(block, add);
+    *acc = sum.total(add);
 }
 
 /// Accumulates panels `p0..p0+np` × tokens `t0..t0+nt` into `acc[panel][token][lane]`, decoding
@@ -476,7 +554,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, TOKEN_TILE, f32_to_e4m3, tile_wide_generic,
+        BLOCK_PAIRS, E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, PairwiseSum, TOKEN_TILE,
+        f32_to_e4m3, tile_wide_generic,
     };
     use crate::cpu::mxfp4::{E2M1, GROUP};
 
@@ -573,6 +652,19 @@ mod x86 {
         }
     }
 
+    /// `a + b`, register by register.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn add_tiles<const NP: usize, const NT: usize>(a: [[__m512; NT]; NP], b: [[__m512; NT]; NP]) -> [[__m512; NT]; NP] {
+        let mut out = a;
+        for i in 0..NP {
+            for j in 0..NT {
+                out[i][j] = _mm512_add_ps(a[i][j], b[i][j]);
+            }
+        }
+        out
+    }
+
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile_wide_avx512(
@@ -597,25 +689,32 @@ mod x86 {
         t0: usize,
         out: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
     ) {
-        let mut acc = [[_mm512_setzero_ps(); NT]; NP];
+        let zero = [[_mm512_setzero_ps(); NT]; NP];
+        let add = |a, b| add_tiles::<NP, NT>(a, b);
+        let mut sum = PairwiseSum::new(zero);
         let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
-        let full = cols / 2;
+        let (full, pairs) = (cols / 2, cols.div_ceil(2));
         unsafe {
-            for q in 0..cols.div_ceil(2) {
-                let at = |i: usize| wide.as_ptr().add((q * GROUP_PANELS + i) * 2 * PANEL);
-                for j in 0..NT {
-                    let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                    for i in 0..NP {
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i)), xe, acc[i][j]);
-                    }
-                    if q < full {
-                        let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+            for q0 in (0..pairs).step_by(BLOCK_PAIRS) {
+                let mut acc = zero;
+                for q in q0..pairs.min(q0 + BLOCK_PAIRS) {
+                    let at = |i: usize| wide.as_ptr().add((q * GROUP_PANELS + i) * 2 * PANEL);
+                    for j in 0..NT {
+                        let xe = _mm512_set1_ps(*xp(j, 2 * q));
                         for i in 0..NP {
-                            acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i).add(PANEL)), xo, acc[i][j]);
+                            acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i)), xe, acc[i][j]);
+                        }
+                        if q < full {
+                            let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                            for i in 0..NP {
+                                acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(at(i).add(PANEL)), xo, acc[i][j]);
+                            }
                         }
                     }
                 }
+                sum.push(acc, add);
             }
+            let acc = sum.total(add);
             for i in 0..NP {
                 for j in 0..NT {
                     _mm512_storeu_ps(out[i][j].as_mut_ptr(), acc[i][j]);
@@ -649,7 +748,9 @@ mod x86 {
         out: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
     ) {
         let (cols, pairs) = (w.cols, w.pairs());
-        let mut acc = [[_mm512_setzero_ps(); NT]; NP];
+        let zero = [[_mm512_setzero_ps(); NT]; NP];
+        let add = |a, b| add_tiles::<NP, NT>(a, b);
+        let mut sum = PairwiseSum::new(zero);
         let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
         unsafe {
             // A pair whose second column is padding is skipped rather than read past the row, as
@@ -660,99 +761,109 @@ mod x86 {
                     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
                     let stride = w.panel_pairs();
                     let at = |p: usize, q: usize| v.as_ptr().add(((p0 + p) * stride + q) * PANEL * 2);
-                    for q in 0..pairs {
-                        let mut we = [_mm512_setzero_ps(); NP];
-                        let mut wo = [_mm512_setzero_ps(); NP];
-                        for i in 0..NP {
-                            let raw = _mm512_loadu_si512(at(i, q) as *const __m512i);
-                            we[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
-                            wo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-                        }
-                        for j in 0..NT {
-                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                    for q0 in (0..pairs).step_by(BLOCK_PAIRS) {
+                        let mut acc = zero;
+                        for q in q0..pairs.min(q0 + BLOCK_PAIRS) {
+                            let mut we = [_mm512_setzero_ps(); NP];
+                            let mut wo = [_mm512_setzero_ps(); NP];
                             for i in 0..NP {
-                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                let raw = _mm512_loadu_si512(at(i, q) as *const __m512i);
+                                we[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
+                                wo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
                             }
-                            if q < full {
-                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                            for j in 0..NT {
+                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
                                 for i in 0..NP {
-                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                }
+                                if q < full {
+                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                    for i in 0..NP {
+                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    }
                                 }
                             }
                         }
+                        sum.push(acc, add);
                     }
                 }
                 PackedData::Fp8 { codes, .. } => {
                     let at = |p: usize, q: usize| codes.as_ptr().add(((p0 + p) * pairs + q) * PANEL * 2);
-                    for q in 0..pairs {
-                        let mut we = [_mm512_setzero_ps(); NP];
-                        let mut wo = [_mm512_setzero_ps(); NP];
-                        for i in 0..NP {
-                            (we[i], wo[i]) = fp8_pair(at(i, q));
-                        }
-                        for j in 0..NT {
-                            let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                    for q0 in (0..pairs).step_by(BLOCK_PAIRS) {
+                        let mut acc = zero;
+                        for q in q0..pairs.min(q0 + BLOCK_PAIRS) {
+                            let mut we = [_mm512_setzero_ps(); NP];
+                            let mut wo = [_mm512_setzero_ps(); NP];
                             for i in 0..NP {
-                                acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                (we[i], wo[i]) = fp8_pair(at(i, q));
                             }
-                            if q < full {
-                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                            for j in 0..NT {
+                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
                                 for i in 0..NP {
-                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                }
+                                if q < full {
+                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                    for i in 0..NP {
+                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    }
                                 }
                             }
                         }
+                        sum.push(acc, add);
                     }
                 }
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
-                    // The chain runs in each group's scaled coordinates: `b = acc / s` with the
-                    // unscaled E2M1 codes, `acc = s · b` between groups. s is a power of two, so
-                    // fma(w·s, x, acc) = s · fma(w, x, acc / s) exactly (while the partial sums
+                    // Each block's chain runs in its group's scaled coordinates: over the
+                    // unscaled E2M1 codes, its sum then scaled by s. s is a power of two, so
+                    // s · fma-chain(w, x) = fma-chain(w·s, x) exactly (while the partial sums
                     // stay normal floats): the same bits as the widened path, without a multiply
                     // per weight vector.
                     let lut = _mm512_loadu_ps(E2M1.as_ptr());
                     let groups = cols / GROUP;
                     let mut expo = [_mm512_setzero_ps(); NP];
+                    let scaled = |acc: [[__m512; NT]; NP], expo: &[__m512; NP]| {
+                        let mut out = acc;
+                        for i in 0..NP {
+                            for j in 0..NT {
+                                out[i][j] = _mm512_scalef_ps(acc[i][j], expo[i]);
+                            }
+                        }
+                        out
+                    };
+                    // MXFP4 columns come in groups of 32, so every block and pair is whole.
                     for g in 0..groups {
                         for i in 0..NP {
                             let at = scales.as_ptr().add(((p0 + i) * groups + g) * PANEL);
-                            let e = e8m0_exponents(_mm_loadu_si128(at as *const __m128i));
-                            if g > 0 {
-                                let d = _mm512_sub_ps(expo[i], e);
-                                for j in 0..NT {
-                                    acc[i][j] = _mm512_scalef_ps(acc[i][j], d);
-                                }
-                            }
-                            expo[i] = e;
+                            expo[i] = e8m0_exponents(_mm_loadu_si128(at as *const __m128i));
                         }
-                        for q in g * GROUP / 2..(g + 1) * GROUP / 2 {
-                            let mut we = [_mm512_setzero_ps(); NP];
-                            let mut wo = [_mm512_setzero_ps(); NP];
-                            for i in 0..NP {
-                                let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
-                                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
-                                // vpermps reads only an index's low 4 bits: the low nibble as is.
-                                we[i] = _mm512_permutexvar_ps(b, lut);
-                                wo[i] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), lut);
-                            }
-                            // MXFP4 columns come in groups of 32, so every pair is whole.
-                            for j in 0..NT {
-                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                                let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                        for q0 in (g * GROUP / 2..(g + 1) * GROUP / 2).step_by(BLOCK_PAIRS) {
+                            let mut acc = zero;
+                            for q in q0..q0 + BLOCK_PAIRS {
+                                let mut we = [_mm512_setzero_ps(); NP];
+                                let mut wo = [_mm512_setzero_ps(); NP];
                                 for i in 0..NP {
-                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
-                                    acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
+                                    let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                                    // vpermps reads only an index's low 4 bits: the low nibble as is.
+                                    we[i] = _mm512_permutexvar_ps(b, lut);
+                                    wo[i] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), lut);
+                                }
+                                for j in 0..NT {
+                                    let xe = _mm512_set1_ps(*xp(j, 2 * q));
+                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
+                                    for i in 0..NP {
+                                        acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                                    }
                                 }
                             }
-                        }
-                    }
-                    for i in 0..NP {
-                        for j in 0..NT {
-                            acc[i][j] = _mm512_scalef_ps(acc[i][j], expo[i]);
+                            sum.push(scaled(acc, &expo), add);
                         }
                     }
                 }
             }
+            let acc = sum.total(add);
             for i in 0..NP {
                 for j in 0..NT {
                     _mm512_storeu_ps(out[i][j].as_mut_ptr(), acc[i][j]);

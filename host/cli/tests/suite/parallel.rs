@@ -3,10 +3,15 @@
 //! of the weights.
 //!
 //! The only arithmetic difference is where a row-parallel product's sum is cut: each rank sums
-//! its columns, then the all-reduce adds the parts. That re-association moves layer 0's outputs
-//! by f32 rounding (~6e-7 of values ~3), and these random models roughly double a perturbation
-//! per layer (measured: 6e-7 → 3e-4 over 8 layers on k3-tiny at TP 2). So the logits bound here
-//! is 1e-3, a tenth of the goldens' own tolerances, and layer 0 is held to rounding level.
+//! its columns, then the all-reduce adds the parts; and the MoE adds its experts' partial sums
+//! on each rank before the all-reduce. These random models roughly double a perturbation per
+//! layer (measured: 6e-7 → 3e-4 over 8 layers on k3-tiny at TP 2 when products were one chain
+//! per output). The packed products sum 16-column blocks pairwise and the ranks' all-reduce adds
+//! pairwise too, so a rank holding a power-of-two count of whole blocks reproduces one rank's sum
+//! bit for bit; what is left (the MoE's and shared experts' order of adds, products on AMX
+//! tiles, whose blocks are 32 columns accumulated in the tile) stays within the 1e-4 on
+//! the goldens at every SIMD level (largest measured: 8.3e-5, k3-tiny-mxfp4 TP 2 prefill on the
+//! AMX tiles; 6.2e-5 with AVX-512, 2.6e-5 with AVX2). Layer 0 is held to rounding level.
 
 use crate::common;
 
@@ -18,8 +23,11 @@ use kimi_host::model::forward::{Model, Parallelism};
 use kimi_host::model::tiny::{TinyOptions, tiny_config, write_random_checkpoint};
 use kimi_host::model::{LogitsFor, ModelError, SeqInput, Trace};
 
-/// See the module docs.
-const LOGITS_TOL: f32 = 1e-3;
+/// TP, EP and CP logits against one rank (see the module docs).
+const LOGITS_TOL: f32 = 1e-4;
+/// The host-built GPU kernels on TP ranks against the CPU on one: those kernels sum in their own
+/// order (per warp and wave), not in the CPU's blocks, so only the goldens' scale applies.
+const GPU_KERNELS_TOL: f32 = 1e-3;
 
 /// Prefill of `prompt` (every position's logits), then greedy decode steps, with each decode
 /// step's trace (the indexer's selections). Returns (prefill logits, decode logits, traces,
@@ -223,7 +231,7 @@ fn check_context_parallel(dir: &Path, n: usize, c: usize, prompt: &[u32]) -> f32
     let held = st.mla(mla).expect("cache").pages();
     assert_eq!(held, prompt.len().div_ceil(16).div_ceil(c), "rank 0 holds every {c}-th page");
     let d = max_abs_diff(&p1, &p2).max(max_abs_diff(&d1, &d2));
-    assert!(d <= 1e-4, "CP {c} of TP {n}: logits differ by {d}");
+    assert!(d <= LOGITS_TOL, "CP {c} of TP {n}: logits differ by {d}");
     d
 }
 
@@ -315,7 +323,7 @@ fn tensor_parallel_2_through_the_host_built_gpu_kernels_equals_one_rank() {
         let (p2, d2, t2, g2) = run(&two, &prompt, 4);
         let (dp, dd) = (max_abs_diff(&p1, &p2), max_abs_diff(&d1, &d2));
         eprintln!("{name} TP 2 on {}: max |Δ logits| prefill {dp:.2e}, decode {dd:.2e}", two.backend().describe());
-        assert!(dp <= LOGITS_TOL && dd <= LOGITS_TOL, "{name}: TP 2 on the kernels differs by {dp} / {dd}");
+        assert!(dp <= GPU_KERNELS_TOL && dd <= GPU_KERNELS_TOL, "{name}: TP 2 on the kernels differs by {dp} / {dd}");
         assert_eq!(g1, g2, "{name}: greedy tokens");
         for (a, b) in t1.iter().zip(&t2) {
             assert_eq!(selections(a, layers), selections(b, layers), "{name}: indexer selections");
