@@ -1,5 +1,7 @@
 //! Matrix products on Intel AMX tiles (`amx_bf16`, `tdpbf16ps`) over the packed panels of BF16
-//! and MXFP4 weights, where the CPU has them (Sapphire Rapids and later).
+//! weights, where the CPU has them (Sapphire Rapids and later). MXFP4 weights stay on the
+//! register-decoding f32 path (`packed`): widening their codes to BF16 tiles cost more than the
+//! tiles saved (measured in `PackedData::Mxfp4`'s docs).
 //!
 //! **Activations.** The tiles multiply BF16 by BF16 into f32. BF16 activations alone move the
 //! goldens' logits by about 1.4 (their tolerance is 0.013: router choices flip), so each f32
@@ -12,9 +14,7 @@
 //!
 //! **Weights.** A BF16 panel's 16 column pairs × 16 rows (1 KB) are already an AMX weight tile
 //! (16 rows of pairs, each 16 output rows × 2 values), so BF16 tiles load straight from the
-//! panels. MXFP4 codes are widened to BF16 with their scale folded into the exponent
-//! (`E2M1 · 2^(s − 127)`, exact for scales in [2, 191]; matrices with others take the f32
-//! path) — per 32-column block in decode, once per panel group when several token tiles share it.
+//! panels.
 //!
 //! **Invariance.** Every token count takes this path on a CPU that has it (one token is one tile
 //! row group like any other), and a token's outputs depend only on its own rows, so a sequence's
@@ -73,21 +73,14 @@ fn detect() -> bool {
     false
 }
 
-/// Whether [`matmul`] takes `w`: AMX on, and BF16 or MXFP4 with tile-representable scales.
+/// Whether [`matmul`] takes `w`: AMX on, and BF16.
 pub fn takes(w: &PackedMatrix) -> bool {
-    match &w.data {
-        PackedData::Bf16(_) => enabled(),
-        PackedData::Mxfp4 { tile_scales, .. } => *tile_scales && enabled(),
-        PackedData::Fp8 { .. } => false,
-    }
+    matches!(w.data, PackedData::Bf16(_)) && enabled()
 }
 
 thread_local! {
     /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
     static SPLIT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
-    /// A task's widened MXFP4 weight tiles, `[block][panel][16 pairs][16 rows][2]` BF16 (borrowed
-    /// only inside one group task, which starts no parallel work).
-    static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]` on the tiles; see the module documentation.
@@ -174,9 +167,8 @@ mod x86 {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
-    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TILE_COLS, TILE_PAIRS, TILE_TOKENS, WIDE};
+    use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TILE_COLS, TILE_PAIRS, TILE_TOKENS};
     use crate::cpu::disjoint::DisjointOut;
-    use crate::cpu::mxfp4::E2M1;
 
     /// The tile palette: tmm0–3 accumulators (`rows` × 16 f32), tmm4–5 activations (`rows` ×
     /// 32 BF16), tmm6–7 weights (16 pairs × 16 output rows × 2).
@@ -278,19 +270,6 @@ mod x86 {
         }
     }
 
-    /// Prefetches panel `p`'s MXFP4 block `g`: its codes (16 pairs × 16 rows, four cache lines)
-    /// and its line of scales.
-    #[inline(always)]
-    fn prefetch_codes(nibbles: &[u8], scales: &[u8], pairs: usize, groups: usize, p: usize, g: usize) {
-        let codes = nibbles.as_ptr().wrapping_add((p * pairs + g * TILE_PAIRS) * PANEL) as *const i8;
-        for l in 0..TILE_PAIRS * PANEL / 64 {
-            // SAFETY: a prefetch never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(codes.wrapping_add(64 * l)) };
-        }
-        // SAFETY: a prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(scales.as_ptr().wrapping_add((p * groups + g) * PANEL) as *const i8) };
-    }
-
     unsafe fn release() {
         // SAFETY (caller): AMX enabled.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
@@ -336,55 +315,6 @@ mod x86 {
         }
     }
 
-    /// E2M1's 16 values as BF16 bits (exact: two significant bits), padded to a 32-word table.
-    static E2M1_BF16: [u16; 32] = {
-        let mut t = [0u16; 32];
-        let mut i = 0;
-        while i < 16 {
-            t[i] = (E2M1[i].to_bits() >> 16) as u16;
-            i += 1;
-        }
-        t
-    };
-
-    /// Widens panel `p`'s MXFP4 block `g` (32 columns) into a weight tile at `dst` (512 BF16):
-    /// `E2M1(code) · 2^(s − 127)` by adding `(s − 127) << 7` to the code's BF16 exponent
-    /// (zeros stay zero).
-    #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn widen_block(
-        nibbles: &[u8],
-        scales: &[u8],
-        pairs: usize,
-        groups: usize,
-        p: usize,
-        g: usize,
-        dst: *mut u16,
-    ) {
-        // SAFETY: all pointers below lie in panel p's codes and scales (the caller's p, g exist);
-        // dst holds 512 values.
-        unsafe {
-            let lut = _mm512_loadu_si512(E2M1_BF16.as_ptr() as *const __m512i);
-            let s =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.as_ptr().add((p * groups + g) * PANEL) as *const __m128i));
-            let e = _mm512_slli_epi32::<7>(_mm512_sub_epi32(s, _mm512_set1_epi32(127)));
-            let shift = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<16>(e));
-            let nib = _mm512_set1_epi32(0x000f_000f);
-            let magnitude = _mm512_set1_epi16(0x7fff);
-            for k in 0..TILE_PAIRS {
-                let q = g * TILE_PAIRS + k;
-                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    nibbles.as_ptr().add((p * pairs + q) * PANEL) as *const __m128i
-                ));
-                // Word 2r ← row r's low nibble (column 2q), word 2r+1 ← its high nibble.
-                let idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32::<12>(b)), nib);
-                let v = _mm512_permutexvar_epi16(idx, lut);
-                let nonzero = _mm512_test_epi16_mask(v, magnitude);
-                let v = _mm512_mask_add_epi16(v, nonzero, v, shift);
-                _mm512_storeu_si512(dst.add(k * TILE_COLS) as *mut __m512i, v);
-            }
-        }
-    }
-
     /// One task: panels `4g..4g+4` (rows `64g..`) for every token.
     ///
     /// One token tile (decode) streams the panels through the weight tiles against one
@@ -424,7 +354,7 @@ mod x86 {
         };
         let a_at = |tile: usize, b: usize| split.as_ptr().wrapping_add((tile * blocks + b) * PANEL * TILE_COLS);
         // SAFETY (whole block): every tile operation follows a `configure`; pointers stay inside
-        // `split` (tile < tiles, b < blocks), the panels (i < np, b < blocks) and `wide`.
+        // `split` (tile < tiles, b < blocks) and the panels (i < np, b < blocks).
         unsafe {
             match &w.data {
                 PackedData::Bf16(v) => {
@@ -450,55 +380,9 @@ mod x86 {
                         blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
                     }
                 }
-                PackedData::Mxfp4 { nibbles, scales, .. } => {
-                    let pairs = w.pairs();
-                    WIDE.with(|s| {
-                        let mut wide = s.borrow_mut();
-                        // One token tile widens block by block (L1-sized); several widen the
-                        // group once and share it. Same values, same order either way.
-                        let per_block = GROUP_PANELS * TILE_PAIRS * TILE_COLS;
-                        let need = if tiles == 1 { 2 * per_block } else { blocks * per_block };
-                        if wide.len() < need {
-                            wide.resize(need, 0);
-                        }
-                        let wp = wide.as_mut_ptr();
-                        let at = |i: usize, b: usize| (b * GROUP_PANELS + i) * TILE_PAIRS * TILE_COLS;
-                        if tiles == 1 {
-                            configure(&TileConfig::new(3 * tokens));
-                            (0..np).for_each(|i| zero(i));
-                            // Two block slots: panel i of block b + 1 is widened between the
-                            // tile loads and products of block b, so the vector work and the
-                            // tile work overlap instead of taking turns on one buffer.
-                            for i in 0..np {
-                                widen_block(nibbles, scales, pairs, blocks, p0 + i, 0, wp.add(at(i, 0)));
-                            }
-                            for b in 0..blocks {
-                                let (cur, next) = (b % 2, (b + 1) % 2);
-                                load(4, a_at(0, b));
-                                for i in 0..np {
-                                    if b + PREFETCH_BLOCKS < blocks {
-                                        prefetch_codes(nibbles, scales, pairs, blocks, p0 + i, b + PREFETCH_BLOCKS);
-                                    }
-                                    if b + 1 < blocks {
-                                        widen_block(nibbles, scales, pairs, blocks, p0 + i, b + 1, wp.add(at(i, next)));
-                                    }
-                                    load(6 + i % 2, wp.add(at(i, cur)));
-                                    dot(i, 4, 6 + i % 2);
-                                }
-                            }
-                            (0..np).for_each(|i| finish(i, 0, i));
-                        } else {
-                            for b in 0..blocks {
-                                for i in 0..np {
-                                    widen_block(nibbles, scales, pairs, blocks, p0 + i, b, wp.add(at(i, b)));
-                                }
-                            }
-                            let b_at = |i: usize, b: usize| wp.add(at(i, b)) as *const u16;
-                            blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
-                        }
-                    });
+                PackedData::Mxfp4 { .. } | PackedData::Fp8 { .. } => {
+                    unreachable!("only BF16 matrices are taken")
                 }
-                PackedData::Fp8 { .. } => unreachable!("FP8 matrices are not taken"),
             }
             release();
         }
@@ -552,7 +436,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Bf16Matrix, Matrix, Mxfp4Matrix, f32_to_bf16_bits};
+    use crate::{Bf16Matrix, Matrix, f32_to_bf16_bits};
 
     /// f32 values over many binades, signs and a few zeros: the split must keep every bit.
     fn activations(n: usize, seed: u32) -> Vec<f32> {
@@ -618,49 +502,6 @@ mod tests {
         let nested: Vec<Vec<f32>> = inputs.par_iter().map(product).collect();
         for (i, (a, b)) in alone.iter().zip(&nested).enumerate() {
             assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "product {i} differs when nested");
-        }
-    }
-
-    /// MXFP4 scales are folded into the widened BF16 exponents exactly at both ends of the range
-    /// the tiles take: one power-of-two code a row (so each product is exact) gives `w · x`.
-    #[test]
-    fn mxfp4_scales_fold_into_the_tile_weights_exactly() {
-        if !enabled() {
-            eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
-            return;
-        }
-        let (rows, cols) = (40usize, 64usize);
-        // Codes 1, 2, 4, 6 (0.5, 1, 2, 4) and their negatives (+8), one per row at column r.
-        let codes = [1u8, 2, 4, 6, 9, 10, 12, 14];
-        let mut packed = vec![0u8; rows * cols / 2];
-        let mut scales = vec![127u8; rows * cols / 32];
-        let mut want_w = vec![0f32; rows];
-        for r in 0..rows {
-            let (c, code) = (r % cols, codes[r % codes.len()]);
-            packed[r * cols / 2 + c / 2] = if c % 2 == 0 { code } else { code << 4 };
-            let s = [2u8, 191, 127, 60, 150][r % 5];
-            scales[r * cols / 32 + c / 32] = s;
-            want_w[r] = crate::cpu::mxfp4::E2M1[code as usize] * 2f32.powi(s as i32 - 127);
-        }
-        let p = PackedMatrix::pack(&Matrix::Mxfp4(Mxfp4Matrix::new(&packed, &scales, rows, cols))).expect("packs");
-        assert!(takes(&p));
-        for tokens in [1usize, 6] {
-            let x: Vec<f32> = activations(tokens * cols, 3).iter().map(|v| v.clamp(-1e20, 1e20)).collect();
-            let mut out = vec![f32::NAN; tokens * rows];
-            matmul(&p, &x, tokens, &mut out);
-            for t in 0..tokens {
-                for r in 0..rows {
-                    let want = want_w[r] * x[t * cols + r % cols];
-                    let got = out[t * rows + r];
-                    if want.abs() < f32::MIN_POSITIVE * 2f32.powi(24) {
-                        // The tiles flush subnormal products: a part below 2^-126 is lost.
-                        let tol = want.abs() * 2f32.powi(-7) + f32::MIN_POSITIVE;
-                        assert!((got - want).abs() <= tol, "token {t} row {r}: {got} vs {want} (near the subnormals)");
-                    } else {
-                        assert_eq!(got.to_bits(), want.to_bits(), "token {t} row {r}: {got} vs {want}");
-                    }
-                }
-            }
         }
     }
 }

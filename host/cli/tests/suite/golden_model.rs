@@ -244,8 +244,7 @@ fn k31_tiny_indexer_matches_release() {
 /// norm, SiTU, AttnRes, the embedding, the router, KDA's convolution and decode step on the
 /// kernels — at AMD's wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
 /// each GPU thread is an OS thread here, so long prefills through the kernels would take minutes.
-/// On a CPU with AMX tiles the goldens above ran their BF16 and MXFP4 products on the tiles (the
-/// default). This runs them, and the batch-invariance tests, once more with the tiles off
+/// On a CPU with AMX tiles the goldens above ran their BF16 products on the tiles (the default). This runs them, and the batch-invariance tests, once more with the tiles off
 /// (`KIMI_SIMD=avx512`), so both product paths are held to the goldens on such a machine; other
 /// machines skip it, saying so (the kernels' tests cover their lower levels).
 #[test]
