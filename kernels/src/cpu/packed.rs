@@ -753,10 +753,28 @@ mod x86 {
         let add = |a, b| add_tiles::<NP, NT>(a, b);
         let mut sum = PairwiseSum::new(zero);
         let xp = |j: usize, c: usize| x.as_ptr().wrapping_add((t0 + j) * cols + c);
+        // Column pair q's weights (`we` even, `wo` odd, a register per panel) into every
+        // accumulator's chain. A pair whose second column is padding is skipped rather than read
+        // past the row, as the widened tile does, so both paths run the same chains.
+        let full = cols / 2;
+        let pair = |acc: &mut [[__m512; NT]; NP], we: &[__m512; NP], wo: &[__m512; NP], q: usize| {
+            for j in 0..NT {
+                // SAFETY: tokens t0..t0+NT have `cols` values in x, and 2q (2q + 1 below
+                // `full`) is a column.
+                let xe = _mm512_set1_ps(unsafe { *xp(j, 2 * q) });
+                for i in 0..NP {
+                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
+                }
+                if q < full {
+                    // SAFETY: as above.
+                    let xo = _mm512_set1_ps(unsafe { *xp(j, 2 * q + 1) });
+                    for i in 0..NP {
+                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
+                    }
+                }
+            }
+        };
         unsafe {
-            // A pair whose second column is padding is skipped rather than read past the row, as
-            // the widened tile does, so both paths run the same chains.
-            let full = cols / 2;
             match &w.data {
                 PackedData::Bf16(v) => {
                     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
@@ -772,18 +790,7 @@ mod x86 {
                                 we[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
                                 wo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
                             }
-                            for j in 0..NT {
-                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                                for i in 0..NP {
-                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
-                                }
-                                if q < full {
-                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
-                                    for i in 0..NP {
-                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
-                                    }
-                                }
-                            }
+                            pair(&mut acc, &we, &wo, q);
                         }
                         sum.push(acc, add);
                     }
@@ -798,18 +805,7 @@ mod x86 {
                             for i in 0..NP {
                                 (we[i], wo[i]) = fp8_pair(at(i, q));
                             }
-                            for j in 0..NT {
-                                let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                                for i in 0..NP {
-                                    acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
-                                }
-                                if q < full {
-                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
-                                    for i in 0..NP {
-                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
-                                    }
-                                }
-                            }
+                            pair(&mut acc, &we, &wo, q);
                         }
                         sum.push(acc, add);
                     }
@@ -850,14 +846,7 @@ mod x86 {
                                     we[i] = _mm512_permutexvar_ps(b, lut);
                                     wo[i] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), lut);
                                 }
-                                for j in 0..NT {
-                                    let xe = _mm512_set1_ps(*xp(j, 2 * q));
-                                    let xo = _mm512_set1_ps(*xp(j, 2 * q + 1));
-                                    for i in 0..NP {
-                                        acc[i][j] = _mm512_fmadd_ps(we[i], xe, acc[i][j]);
-                                        acc[i][j] = _mm512_fmadd_ps(wo[i], xo, acc[i][j]);
-                                    }
-                                }
+                                pair(&mut acc, &we, &wo, q);
                             }
                             sum.push(scaled(acc, &expo), add);
                         }
