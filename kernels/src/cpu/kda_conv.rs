@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::elementwise::silu;
+use super::elementwise::silu_in_place;
 use crate::backend::SeqSpan;
 
 /// Rows per rayon task: a decode token stays on the calling thread.
@@ -29,8 +29,9 @@ fn conv_one(rows: &mut [f32], taps: &[f32], frames: &mut [f32], w: usize, p: usi
             for i in 0..w {
                 acc += taps[c * w + i] * ext[(t + i) * p + c];
             }
-            *out = silu(acc);
+            *out = acc;
         }
+        silu_in_place(row);
     });
     let tokens = rows.len() / p;
     frames.copy_from_slice(&ext[tokens * p..]);

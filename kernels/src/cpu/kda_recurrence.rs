@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::disjoint::DisjointOut;
-use super::elementwise::sigmoid;
+use super::elementwise::{sigmoid, sigmoid_in_place};
 use super::kda::{kda_prefill, kda_step};
 use super::norm::l2_normalize;
 use crate::backend::{KdaInputs, KdaParams, KdaSlot, SeqSpan};
@@ -83,7 +83,7 @@ pub fn kda_recurrence(
                 resized(&mut b.g, n * k),
             );
             let bh = resized(&mut b.beta, n);
-            for i in 0..n {
+            for (i, bi) in bh.iter_mut().enumerate() {
                 let t = span.start + i;
                 let src = t * width + hh * k..t * width + (hh + 1) * k;
                 let dst = i * k..(i + 1) * k;
@@ -93,11 +93,14 @@ pub fn kda_recurrence(
                 kh[dst.clone()].copy_from_slice(&x.k[src.clone()]);
                 l2_normalize(&mut kh[dst.clone()], 1e-6);
                 vh[dst.clone()].copy_from_slice(&x.v[src.clone()]);
-                for j in 0..k {
+                let gi = &mut gh[dst.clone()];
+                for (j, gv) in gi.iter_mut().enumerate() {
                     let c = hh * k + j;
-                    gh[i * k + j] = lb * sigmoid(p.a_exp[hh] * (x.z[t * width + c] + p.dt_bias[c]));
+                    *gv = p.a_exp[hh] * (x.z[t * width + c] + p.dt_bias[c]);
                 }
-                bh[i] = sigmoid(x.beta_logits[t * h + hh]);
+                sigmoid_in_place(gi);
+                gi.iter_mut().for_each(|gv| *gv *= lb);
+                *bi = sigmoid(x.beta_logits[t * h + hh]);
             }
             let o = resized(&mut b.o, n * k);
             if !snaps.is_empty() {

@@ -50,8 +50,11 @@ pub fn gated_rms_norm(o: &[f32], gate: &[f32], w: &[f32], eps: f32, out: &mut [f
     assert!(o.len() == out.len() && gate.len() == out.len(), "gated_rms_norm: lengths differ");
     for ((ys, oh), rs) in out.chunks_exact_mut(k).zip(o.chunks_exact(k)).zip(gate.chunks_exact(k)) {
         let inv = inv_rms(oh, eps);
-        for (((yv, ov), wv), rv) in ys.iter_mut().zip(oh).zip(w).zip(rs) {
-            *yv = wv * (ov * inv) * super::elementwise::sigmoid(*rv);
+        // σ(gate) into the output row first (all of a row's exponentials at once), then scaled.
+        ys.copy_from_slice(rs);
+        super::elementwise::sigmoid_in_place(ys);
+        for ((yv, ov), wv) in ys.iter_mut().zip(oh).zip(w) {
+            *yv *= wv * (ov * inv);
         }
     }
 }
