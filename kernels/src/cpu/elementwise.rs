@@ -32,6 +32,16 @@ pub fn silu_in_place(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x = silu(*x));
 }
 
+/// `v[i] ← e^{v[i]}` over a row (a softmax's weights, KDA's decays).
+pub fn exp_in_place(v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 {
+        // SAFETY: the level was detected at run time.
+        return unsafe { x86::exp_avx512_rows(v) };
+    }
+    v.iter_mut().for_each(|x| *x = x.exp());
+}
+
 /// `acc += x`.
 pub fn add(acc: &mut [f32], x: &[f32]) {
     assert_eq!(acc.len(), x.len(), "add: lengths differ");
@@ -65,6 +75,23 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use crate::cpu::simd::x86::exp_avx512;
+
+    /// e^v per lane; a NaN stays NaN (the vector exponential clamps its input).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_avx512_rows(v: &mut [f32]) {
+        let n = v.len();
+        let mut c = 0;
+        while c < n {
+            let m: __mmask16 = if n - c >= 16 { 0xffff } else { ((1u32 << (n - c)) - 1) as __mmask16 };
+            // SAFETY: the masked load and store touch lanes c..min(c+16, n) of v.
+            let x = unsafe { _mm512_maskz_loadu_ps(m, v.as_ptr().add(c)) };
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            let e = _mm512_mask_mov_ps(exp_avx512(x), nan, x);
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(v.as_mut_ptr().add(c), m, e) };
+            c += 16;
+        }
+    }
 
     /// σ(v) (or v·σ(v) for SiLU) per lane, as `1 / (1 + e^{−v})`; a NaN stays NaN (the vector
     /// exponential clamps its input, which would otherwise turn it into a number).
@@ -107,6 +134,15 @@ mod tests {
             let want = x as f64 * want;
             assert!((l as f64 - want).abs() <= 4e-7 * want.abs().max(1e-30), "SiLU({x}) = {l}, want {want}");
         }
+        let mut e: Vec<f32> = xs.iter().map(|x| x.min(80.0)).collect();
+        exp_in_place(&mut e);
+        for (&x, &v) in xs.iter().zip(&e) {
+            let want = (x.min(80.0) as f64).exp();
+            assert!((v as f64 - want).abs() <= 4e-7 * want, "exp({x}) = {v}, want {want}");
+        }
+        let mut v = vec![0.0, f32::NAN, f32::NEG_INFINITY];
+        exp_in_place(&mut v);
+        assert!(v[0] == 1.0 && v[1].is_nan() && v[2] == 0.0, "{v:?}");
         let mut v = vec![1.0, f32::NAN, -2.0];
         sigmoid_in_place(&mut v);
         assert!(v[1].is_nan() && !v[0].is_nan() && !v[2].is_nan());

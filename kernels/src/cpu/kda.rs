@@ -20,7 +20,8 @@ pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], b
     if simd_level() == SimdLevel::Avx512 && state.len() == dk * dv && q.len() == dk && g.len() == dk && out.len() == dv
     {
         return with_tmp(dk, |decay| {
-            decay.iter_mut().zip(g).for_each(|(d, x)| *d = x.exp());
+            decay.copy_from_slice(g);
+            super::elementwise::exp_in_place(decay);
             let kq = dot(k, q);
             // SAFETY: the level was detected at run time and every length was checked above.
             unsafe { x86::step_avx512(state, q, k, v, decay, beta, kq, out) };
