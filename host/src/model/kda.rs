@@ -153,17 +153,21 @@ impl KdaLayer {
             ),
         };
         let mut branches = [q, kk, v];
-        for (b, raw) in branches.iter_mut().enumerate() {
-            for (st, span) in states.iter_mut().zip(spans) {
-                if !st.after_token.is_empty() {
-                    st.snapshot_conv(b, &raw[span.start * p..(span.start + span.len) * p]);
+        // The convolutions (a decode token's are serial and read cold state) and the gate's
+        // second factor are independent: they run side by side.
+        let convolve = || {
+            for (b, raw) in branches.iter_mut().enumerate() {
+                for (st, span) in states.iter_mut().zip(spans) {
+                    if !st.after_token.is_empty() {
+                        st.snapshot_conv(b, &raw[span.start * p..(span.start + span.len) * p]);
+                    }
                 }
+                let mut frames: Vec<&mut [f32]> = states.iter_mut().map(|s| s.conv_frames_mut(b)).collect();
+                be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
             }
-            let mut frames: Vec<&mut [f32]> = states.iter_mut().map(|s| s.conv_frames_mut(b)).collect();
-            be.kda_conv(raw, spans, &mut frames, &self.conv[b], self.kernel);
-        }
+        };
+        let ((), z) = rayon::join(convolve, || self.f_b.matmul(be, sc, &fa, tokens));
         let [q, kk, v] = branches;
-        let z = self.f_b.matmul(be, sc, &fa, tokens);
         let r = match &self.gate {
             OutputGate::Full(_) => gate_x,
             OutputGate::LowRank(_, b) => b.matmul(be, sc, &gate_x, tokens),
