@@ -16,9 +16,15 @@ use super::error::ModelError;
 /// Slots per chunk of a growable arena.
 const CHUNK_SLOTS: usize = 8;
 
+/// Every chunk and every slot starts on a cache line (64 bytes, 16 values): an unaligned row
+/// splits each 64-byte vector load and store of the state across two lines.
+const LINE_FLOATS: usize = 16;
+
 /// A preallocated set of equal-sized f32 slots.
 pub struct SlotArena {
     slot_floats: usize,
+    /// Values from one slot's start to the next's: `slot_floats` rounded up to whole lines.
+    stride: usize,
     /// `Some(n)`: exactly n slots, allocated at creation. `None`: grows by chunks.
     capacity: Option<usize>,
     inner: Mutex<Inner>,
@@ -44,10 +50,14 @@ impl SlotArena {
     /// An arena of exactly `capacity` slots, allocated now (zeroed memory, committed by the OS as
     /// slots are first written); memory the machine cannot give is an error.
     pub fn fixed(slot_floats: usize, capacity: usize) -> Result<Arc<SlotArena>, ModelError> {
-        let arena = SlotArena { slot_floats, capacity: Some(capacity), inner: Mutex::new(Inner::default()) };
+        let arena = SlotArena {
+            slot_floats,
+            stride: stride(slot_floats),
+            capacity: Some(capacity),
+            inner: Mutex::new(Inner::default()),
+        };
         if capacity > 0 {
-            let floats =
-                capacity.checked_mul(slot_floats.max(1)).ok_or(ModelError::StateAlloc { bytes: usize::MAX })?;
+            let floats = capacity.checked_mul(arena.stride).ok_or(ModelError::StateAlloc { bytes: usize::MAX })?;
             arena.inner.lock().chunks.push(alloc(floats)?);
         }
         Ok(Arc::new(arena))
@@ -55,7 +65,12 @@ impl SlotArena {
 
     /// An arena that adds chunks of slots as needed (tools, tests).
     pub fn growable(slot_floats: usize) -> Arc<SlotArena> {
-        Arc::new(SlotArena { slot_floats, capacity: None, inner: Mutex::new(Inner::default()) })
+        Arc::new(SlotArena {
+            slot_floats,
+            stride: stride(slot_floats),
+            capacity: None,
+            inner: Mutex::new(Inner::default()),
+        })
     }
 
     /// Values per slot.
@@ -86,7 +101,7 @@ impl SlotArena {
                 if inner.high == have {
                     match self.capacity {
                         Some(capacity) => return Err(ModelError::StateSlotsFull { capacity }),
-                        None => inner.chunks.push(alloc(CHUNK_SLOTS * self.slot_floats.max(1))?),
+                        None => inner.chunks.push(alloc(CHUNK_SLOTS * self.stride)?),
                     }
                 }
                 inner.high += 1;
@@ -96,9 +111,9 @@ impl SlotArena {
         inner.in_use += 1;
         let per_chunk = self.capacity.unwrap_or(CHUNK_SLOTS).max(1);
         let (base, _) = inner.chunks[index / per_chunk];
-        // SAFETY: the chunk holds per_chunk × slot_floats values and index % per_chunk < per_chunk,
-        // so the slot's range lies inside it.
-        let ptr = unsafe { base.add((index % per_chunk) * self.slot_floats.max(1)) };
+        // SAFETY: the chunk holds per_chunk × stride values, index % per_chunk < per_chunk and
+        // slot_floats ≤ stride, so the slot's range lies inside it.
+        let ptr = unsafe { base.add((index % per_chunk) * self.stride) };
         drop(inner);
         let mut slot = Slot { arena: self.clone(), index, ptr, len: self.slot_floats };
         slot.floats_mut().fill(0.0);
@@ -112,12 +127,22 @@ impl SlotArena {
     }
 }
 
+/// Values from one slot's start to the next's (at least one line).
+fn stride(slot_floats: usize) -> usize {
+    slot_floats.max(1).next_multiple_of(LINE_FLOATS)
+}
+
+/// The layout of a chunk of `floats` values: starting on a cache line.
+fn chunk_layout(floats: usize) -> Option<Layout> {
+    Layout::from_size_align(floats.checked_mul(4)?, 4 * LINE_FLOATS).ok()
+}
+
 /// Zeroed memory for `floats` values (the OS commits it as it is first written); a size the
 /// machine cannot give is an error, not an abort.
 fn alloc(floats: usize) -> Result<(NonNull<f32>, usize), ModelError> {
     let floats = floats.max(1);
     let too_big = || ModelError::StateAlloc { bytes: floats.saturating_mul(4) };
-    let layout = Layout::array::<f32>(floats).map_err(|_| too_big())?;
+    let layout = chunk_layout(floats).ok_or_else(too_big)?;
     // SAFETY: the layout's size is non-zero (at least one f32).
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
     NonNull::new(ptr).map(|p| (p, floats)).ok_or_else(too_big)
@@ -127,7 +152,7 @@ impl Drop for SlotArena {
     fn drop(&mut self) {
         for &(ptr, len) in &self.inner.get_mut().chunks {
             // `alloc` made this layout for `len` values, so it is valid again.
-            if let Ok(layout) = Layout::array::<f32>(len) {
+            if let Some(layout) = chunk_layout(len) {
                 // SAFETY: the chunk came from `alloc_zeroed` with this layout, and every lease holds
                 // an Arc to the arena, so none is alive now.
                 unsafe { std::alloc::dealloc(ptr.as_ptr() as *mut u8, layout) };

@@ -5,6 +5,7 @@
 //! router and grouped experts (`moe`), and the vision tower's `gelu`, `attention_varlen` and
 //! table-driven `rope` — on SIMD inner loops (`simd`) and reductions (`reduce`).
 
+pub mod aligned;
 pub mod attention_merge;
 pub mod attention_varlen;
 pub mod attn_res;

@@ -27,6 +27,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::aligned::AlignedVec;
 use super::disjoint::DisjointOut;
 use super::fp8::{E4M3_MAX, f32_to_e4m3};
 use super::mxfp4::{E2M1, GROUP, Mxfp4Matrix, e8m0_to_f32};
@@ -122,10 +123,12 @@ pub struct PackedMatrix {
     pub(crate) data: PackedData,
 }
 
+/// Every buffer starts on a cache line ([`AlignedVec`]): a 64-byte load or an AMX tile row of a
+/// panel then never straddles two lines.
 #[derive(Debug)]
 pub(crate) enum PackedData {
     /// `[panel][pair][row][2]` bf16 bits; an odd last column is paired with a zero.
-    Bf16(Vec<u16>),
+    Bf16(AlignedVec<u16>),
     /// `nibbles[panel][pair][row]` (column 2q low, 2q+1 high) and `scales[panel][group][row]`
     /// (E8M0); padding rows are zero codes under scale 2^0.
     /// `scaled_chain`: every row's scale exponents (the NaN code aside) lie within
@@ -136,10 +139,10 @@ pub(crate) enum PackedData {
     /// µs here against 24–28 µs on the tiles, and 8 tokens 43 against 57 µs. At 64 tokens it
     /// was 311 against 270 µs. On the medium model, decode went from 23.2–23.7 to 23.7–25.0
     /// tokens/s and prefill from 246–249 to 225–231.
-    Mxfp4 { nibbles: Vec<u8>, scales: Vec<u8>, scaled_chain: bool },
+    Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool },
     /// `codes[panel][pair][even 16 | odd 16]` E4M3 codes (an odd last column paired with code 0)
     /// and `scales[row]`, padded to whole panels.
-    Fp8 { codes: Vec<u8>, scales: Vec<f32> },
+    Fp8 { codes: AlignedVec<u8>, scales: Vec<f32> },
 }
 
 /// Where an E4M3 code's magnitude bits land in an f32 once shifted left by 20 (sign at bit 31).
@@ -173,7 +176,7 @@ impl PackedMatrix {
             Matrix::Bf16(b) => {
                 // Whole 32-column blocks per panel, so an AMX tile never reads past a panel.
                 let stride = pairs.next_multiple_of(TILE_PAIRS);
-                let mut out = vec![0u16; panels * stride * PANEL * 2];
+                let mut out = AlignedVec::<u16>::zeroed(panels * stride * PANEL * 2);
                 out.par_chunks_mut(stride * PANEL * 2).enumerate().for_each(|(p, panel)| {
                     for r in 0..PANEL.min(rows - p * PANEL) {
                         let row = b.row(p * PANEL + r);
@@ -186,7 +189,7 @@ impl PackedMatrix {
             }
             Matrix::Mxfp4(q) => {
                 let groups = cols / GROUP;
-                let mut nibbles = vec![0u8; panels * pairs * PANEL];
+                let mut nibbles = AlignedVec::<u8>::zeroed(panels * pairs * PANEL);
                 let mut scales = vec![127u8; panels * groups * PANEL];
                 nibbles.par_chunks_mut(pairs * PANEL).zip(scales.par_chunks_mut(groups * PANEL)).enumerate().for_each(
                     |(p, (nib, sc))| {
@@ -209,7 +212,7 @@ impl PackedMatrix {
                 PackedData::Mxfp4 { nibbles, scales, scaled_chain }
             }
             Matrix::Fp8(f) => {
-                let mut codes = vec![0u8; panels * pairs * PANEL * 2];
+                let mut codes = AlignedVec::<u8>::zeroed(panels * pairs * PANEL * 2);
                 codes.par_chunks_mut(pairs * PANEL * 2).enumerate().for_each(|(p, panel)| {
                     for r in 0..PANEL.min(rows - p * PANEL) {
                         let row = &f.data[(p * PANEL + r) * cols..(p * PANEL + r + 1) * cols];

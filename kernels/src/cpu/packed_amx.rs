@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::aligned::AlignedVec;
 use super::disjoint::DisjointOut;
 use super::packed::{PANEL, PackedData, PackedMatrix, TILE_PAIRS};
 
@@ -80,7 +81,7 @@ pub fn takes(w: &PackedMatrix) -> bool {
 
 thread_local! {
     /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
-    static SPLIT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static SPLIT: RefCell<AlignedVec<u16>> = RefCell::new(AlignedVec::default());
 }
 
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]` on the tiles; see the module documentation.
@@ -122,9 +123,7 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&
     // below it may run another product (a stolen job of a nested parallel loop).
     let mut buf = SPLIT.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let need = tiles * blocks * PANEL * TILE_COLS;
-    if buf.len() < need {
-        buf.resize(need, 0);
-    }
+    buf.reserve_len(need);
     let split = &mut buf[..need];
     let per_tile = blocks * PANEL * TILE_COLS;
     // SAFETY (both): `enabled()` (checked by `takes`) includes AVX-512 F / BW / BF16; each
