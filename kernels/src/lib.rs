@@ -16,6 +16,7 @@ pub use backend::{
     SituParams,
 };
 pub use comm::{CommStats, Communicator, ThreadComm};
+pub use cpu::aligned::AlignedVec;
 pub use cpu::backend::CpuBackend;
 /// Storage-format encoders (for writing checkpoints, e.g. the embedded tiny model).
 pub use cpu::bf16::f32_to_bf16_bits;

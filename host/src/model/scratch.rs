@@ -1,23 +1,27 @@
 //! The forward's activation buffers: a pool of f32 vectors that a step borrows and gives back,
 //! so after the first steps of a given shape a step makes no allocation of its own (no allocator
-//! calls, no fresh pages to fault in and clear).
+//! calls, no fresh pages to fault in and clear). Each starts on a cache line, so the kernels'
+//! 64-byte loads and stores of a row never straddle two lines.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use kimi_kernels::AlignedVec;
 use parking_lot::Mutex;
 
 /// Free vectors, handed out best-fit by capacity.
 #[derive(Default)]
 pub struct Scratch {
-    free: Mutex<Vec<Vec<f32>>>,
+    free: Mutex<Vec<AlignedVec<f32>>>,
     /// Vectors created because none free was large enough (a steady state adds none).
     created: AtomicUsize,
 }
 
 /// A borrowed buffer; it goes back to its [`Scratch`] when dropped.
 pub struct Buf<'s> {
-    v: Vec<f32>,
+    /// At least `len` values; the buffer is its first `len`.
+    v: AlignedVec<f32>,
+    len: usize,
     home: &'s Scratch,
 }
 
@@ -29,29 +33,21 @@ impl Scratch {
     /// `n` zeros.
     pub fn zeroed(&self, n: usize) -> Buf<'_> {
         let mut v = self.take(n);
-        v.clear();
-        v.resize(n, 0.0);
-        Buf { v, home: self }
+        v[..n].fill(0.0);
+        Buf { v, len: n, home: self }
     }
 
     /// `n` values for an op that writes every one of them (they hold whatever an earlier use
     /// left, so nothing is cleared first).
     pub fn for_overwrite(&self, n: usize) -> Buf<'_> {
-        let mut v = self.take(n);
-        if v.len() >= n {
-            v.truncate(n);
-        } else {
-            v.resize(n, 0.0);
-        }
-        Buf { v, home: self }
+        Buf { v: self.take(n), len: n, home: self }
     }
 
     /// A copy of `x`.
     pub fn copy_of(&self, x: &[f32]) -> Buf<'_> {
         let mut v = self.take(x.len());
-        v.clear();
-        v.extend_from_slice(x);
-        Buf { v, home: self }
+        v[..x.len()].copy_from_slice(x);
+        Buf { v, len: x.len(), home: self }
     }
 
     /// How many vectors the pool has had to create so far.
@@ -59,15 +55,16 @@ impl Scratch {
         self.created.load(Ordering::Relaxed)
     }
 
-    fn take(&self, n: usize) -> Vec<f32> {
+    /// A free vector of at least `n` values (best fit), or a new zeroed one.
+    fn take(&self, n: usize) -> AlignedVec<f32> {
         let mut free = self.free.lock();
-        let best = free.iter().enumerate().filter(|(_, v)| v.capacity() >= n).min_by_key(|(_, v)| v.capacity());
+        let best = free.iter().enumerate().filter(|(_, v)| v.len() >= n).min_by_key(|(_, v)| v.len());
         match best.map(|(i, _)| i) {
             Some(i) => free.swap_remove(i),
             None => {
                 drop(free);
                 self.created.fetch_add(1, Ordering::Relaxed);
-                Vec::with_capacity(n)
+                AlignedVec::zeroed(n)
             }
         }
     }
@@ -76,13 +73,13 @@ impl Scratch {
 impl Deref for Buf<'_> {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.v
+        &self.v[..self.len]
     }
 }
 
 impl DerefMut for Buf<'_> {
     fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.v
+        &mut self.v[..self.len]
     }
 }
 
