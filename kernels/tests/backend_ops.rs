@@ -9,7 +9,7 @@ use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{
     Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix,
-    PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams,
+    PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams, amx_enabled, mxfp4_on_tiles,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -231,8 +231,8 @@ fn fused_chain(w: &[f32], x: &[f32]) -> f32 {
 /// definition written out here, at every SIMD level (so AVX-512, AVX2 and scalar machines give
 /// the same bits), and the packed rows unpack to the stored values. With AMX tiles on, a BF16
 /// product is the tiles' f32 accumulation of the split activations instead: checked against f64
-/// within f32 accumulation's bound (the AVX-512 re-run checks the chains on the same machine).
-/// MXFP4 never takes the tiles, so it is held to the definition's bits on every machine.
+/// within f32 accumulation's bound (the AVX-512 re-run checks the chains on the same machine),
+/// and so is an MXFP4 product whose scales the tiles can hold.
 #[test]
 fn packed_products_are_one_fused_chain_per_output() {
     let mut rng = StdRng::seed_from_u64(21);
@@ -275,8 +275,9 @@ fn packed_products_are_one_fused_chain_per_output() {
 
 /// MXFP4 scales at the format's edges. Rows whose exponents stay within 2^64 of each other run
 /// the register tiles in scaled coordinates, others the widened path; both must give the fused
-/// chain's bits at one token and in a batch, and a NaN scale code makes its row NaN (on every
-/// machine: MXFP4 products never take the AMX tiles).
+/// chain's bits at one token and in a batch, and a NaN scale code makes its row NaN. With
+/// `--mxfp4-tiles` only the moderate case fits the AMX tiles (scales 2..=252); there it is held to f32
+/// accumulation's bound instead.
 #[test]
 fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
     let mut rng = StdRng::seed_from_u64(33);
@@ -287,6 +288,10 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
         let mut scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(codes.0..=codes.1)).collect();
         if case == "nan" {
             scales[5 * cols / 32 + 2] = 255;
+        }
+        if case == "span 253" {
+            // Both ends, whatever the draw.
+            (scales[0], scales[1]) = codes;
         }
         let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
         let values = q.to_f32();
@@ -300,8 +305,13 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
                 for r in 0..rows {
                     let want = fused_chain(&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
                     let got = out[t * rows + r];
-                    assert!(!p.on_tiles(), "MXFP4 stays off the tiles");
-                    if case == "nan" && r == 5 {
+                    let tiles = mxfp4_on_tiles() && amx_enabled() && case == "span 64";
+                    assert_eq!(p.on_tiles(), tiles, "{case}: on the tiles");
+                    if p.on_tiles() {
+                        let w = &values[r * cols..(r + 1) * cols];
+                        let what = format!("{case}: token {t} of {tokens}, row {r}");
+                        assert_within_accumulation_bound(got, w, &x[t * cols..(t + 1) * cols], &what);
+                    } else if case == "nan" && r == 5 {
                         assert!(got.is_nan(), "{case}: token {t} of {tokens}: row 5 is {got}");
                     } else {
                         assert_eq!(
@@ -313,6 +323,60 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
                 }
             }
         }
+    }
+}
+
+/// MXFP4 on the AMX tiles (`--mxfp4-tiles`; scales within 2..=252, widened to BF16 weight tiles
+/// on the fly):
+/// within f32 accumulation's bound of the f64 product, every sign and magnitude code and the
+/// scale range's ends included, and a token's outputs the same bits alone as in any batch
+/// (one token, a partial tile, several tile pairs). Skipped, saying so, without AMX.
+#[test]
+fn mxfp4_on_the_tiles_keeps_f32_accuracy_and_batch_invariance() {
+    if !amx_enabled() {
+        eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(47);
+    let (rows, cols) = (83, 352);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.random_range(0..=255u8)).collect();
+    let mut scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(100..=150u8)).collect();
+    // The range's ends: the smallest values stay normal, the largest finite.
+    scales[0] = 2;
+    scales[cols / 32 + 3] = 252;
+    let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
+    let values = q.to_f32();
+    let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), true).expect("packs");
+    assert!(p.on_tiles(), "scales within 2..=252 take the tiles");
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
+        p.row_to_f32(r, &mut row);
+        assert_eq!(row, values[r * cols..(r + 1) * cols], "row {r} unpacks from the tile layout");
+    }
+    let m = Matrix::Packed(&p);
+    // Small activations, so the largest scale's products stay finite.
+    let x: Vec<f32> = randn(&mut rng, 23 * cols).iter().map(|v| v / 1024.0).collect();
+    let mut alone = vec![0f32; rows];
+    for tokens in [1usize, 4, 6, 11, 23] {
+        let mut out = vec![0f32; tokens * rows];
+        CpuBackend.matmul(&m, &x[..tokens * cols], tokens, &mut out);
+        for t in 0..tokens {
+            let xt = &x[t * cols..(t + 1) * cols];
+            CpuBackend.matmul(&m, xt, 1, &mut alone);
+            for r in 0..rows {
+                let got = out[t * rows + r];
+                let what = format!("{tokens} tokens: token {t}, row {r}");
+                assert_within_accumulation_bound(got, &values[r * cols..(r + 1) * cols], xt, &what);
+                assert_eq!(got.to_bits(), alone[r].to_bits(), "{what}: batch {got} vs alone {}", alone[r]);
+            }
+        }
+    }
+    // A scale outside the range keeps the whole matrix on the chains.
+    for outside in [1, 253] {
+        scales[7] = outside;
+        let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
+        let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), true).expect("packs");
+        assert!(!p.on_tiles(), "scale {outside} stays off the tiles");
     }
 }
 

@@ -330,7 +330,11 @@ pub fn bench_forward(
     let per_token = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, 1)) as u64;
     let first_eff = per_token as f64 * first.decode_tokens_per_s / first.batch as f64 / 1e9;
     Ok(ForwardBench {
-        simd: if kimi_kernels::amx_enabled() { "avx512f + amx-bf16 tiles" } else { kimi_kernels::simd_level().name() },
+        simd: match (kimi_kernels::amx_enabled(), kimi_kernels::mxfp4_on_tiles()) {
+            (true, true) => "avx512f + amx-bf16 tiles (MXFP4 too)",
+            (true, false) => "avx512f + amx-bf16 tiles",
+            (false, _) => kimi_kernels::simd_level().name(),
+        },
         threads: rayon::current_num_threads(),
         tensor_parallel: par.tensor,
         context_parallel: par.context,

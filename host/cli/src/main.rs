@@ -267,6 +267,10 @@ struct ModelArgs {
     /// instead of splitting every expert's intermediate dimension.
     #[arg(long)]
     expert_parallel: bool,
+    /// Lay the MXFP4 routed experts out for the CPU's AMX tiles (where it has them): faster
+    /// prefill and batched decode, slower single-stream decode (medium model: +20 %, +13 %, −5 %).
+    #[arg(long)]
+    mxfp4_tiles: bool,
 }
 
 impl ModelArgs {
@@ -275,7 +279,7 @@ impl ModelArgs {
     }
 
     fn format(&self) -> WeightFormat {
-        WeightFormat { fp8_dense: self.fp8_dense }
+        WeightFormat { fp8_dense: self.fp8_dense, mxfp4_tiles: self.mxfp4_tiles }
     }
 
     fn load(&self, dir: &Path) -> Result<Model> {
@@ -299,6 +303,9 @@ struct ServeOverrides {
     /// Whole routed experts per rank (sets `expert_parallel`).
     #[arg(long)]
     expert_parallel: bool,
+    /// MXFP4 routed experts on the CPU's AMX tiles (sets `mxfp4_tiles`).
+    #[arg(long)]
+    mxfp4_tiles: bool,
     /// Where the model runs: cpu, hip, cuda or auto (sets `backend`).
     #[arg(long)]
     backend: Option<String>,
@@ -525,6 +532,7 @@ fn server_state(
     }
     cfg.fp8_dense |= over.fp8_dense;
     cfg.expert_parallel |= over.expert_parallel;
+    cfg.mxfp4_tiles |= over.mxfp4_tiles;
     if over.backend.is_some() {
         cfg.backend = over.backend;
     }

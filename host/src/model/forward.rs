@@ -121,6 +121,10 @@ pub struct WeightFormat {
     /// scale per output row, their products quantising activations per token (ATOM's
     /// `ptpc_fp8`); routed experts stay MXFP4 (`--fp8-dense`).
     pub fp8_dense: bool,
+    /// MXFP4 routed experts laid out for the CPU's AMX tiles where it has them
+    /// (`--mxfp4-tiles`): faster with several tokens per expert, slower with one; a sequence's
+    /// results stay independent of its batch either way.
+    pub mxfp4_tiles: bool,
 }
 
 /// How a model is spread over ranks.
@@ -183,6 +187,10 @@ impl Model {
             });
         }
         let ck = Checkpoint::open(dir)?;
+        if fmt.mxfp4_tiles {
+            // The CPU backend reads it as it lays the weights out (in `assemble`).
+            kimi_kernels::set_mxfp4_on_tiles(true);
+        }
         let mut ranks = Vec::with_capacity(n);
         let comms = ThreadComm::group(n);
         // Ranks g·cp .. (g + 1)·cp form context-parallel group g; rank r holds the pages of

@@ -47,6 +47,10 @@ pub struct ServeConfig {
     /// Place whole routed experts on the tensor-parallel ranks instead of splitting each.
     #[serde(default)]
     pub expert_parallel: bool,
+    /// Lay the MXFP4 routed experts out for the CPU's AMX tiles (where it has them): on the
+    /// medium model prefill +20 % and batch-64 decode +13 %, single-stream decode −5 %.
+    #[serde(default)]
+    pub mxfp4_tiles: bool,
     /// Where the model runs: cpu (default), hip, cuda or auto.
     pub backend: Option<String>,
     /// A DSpark draft directory: speculative decoding for every decoding sequence.
@@ -359,6 +363,7 @@ impl ServeConfig {
             context_parallel: None,
             fp8_dense: false,
             expert_parallel: false,
+            mxfp4_tiles: false,
             backend: None,
             draft: None,
             num_speculative_tokens: None,

@@ -99,7 +99,7 @@ impl AppState {
                     context: cfg.context_parallel.unwrap_or(1),
                     expert: cfg.expert_parallel,
                 },
-                WeightFormat { fp8_dense: cfg.fp8_dense },
+                WeightFormat { fp8_dense: cfg.fp8_dense, mxfp4_tiles: cfg.mxfp4_tiles },
             )
             .map_err(|e| ServeError::Model { path: model_dir.into(), msg: e.to_string() })?,
         );

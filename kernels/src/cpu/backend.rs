@@ -12,7 +12,11 @@ pub struct CpuBackend;
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        let tiles = if super::packed_amx::enabled() { " + AMX tiles" } else { "" };
+        let tiles = match (super::packed_amx::enabled(), super::packed::mxfp4_on_tiles()) {
+            (true, true) => " + AMX tiles, MXFP4 too",
+            (true, false) => " + AMX tiles",
+            (false, _) => "",
+        };
         format!("cpu ({:?}{tiles}, {} threads)", super::simd::simd_level(), rayon::current_num_threads())
     }
 

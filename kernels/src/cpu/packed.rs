@@ -24,6 +24,7 @@
 //! then scales by 2^120, the row's scale and the token's scale.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use rayon::prelude::*;
 
@@ -134,12 +135,18 @@ pub(crate) enum PackedData {
     /// `scaled_chain`: every row's scale exponents (the NaN code aside) lie within
     /// [`MAX_SCALE_SPAN`] of each other, so the register-decoding tiles may run the chain in
     /// scaled coordinates (see `tile_n`); other matrices always take the widened path.
-    /// MXFP4 products stay here even where AMX is present: widening codes to BF16 tiles costs
-    /// more than the tiles save. Measured, 2 threads, 512 × 1024 expert matrices: one token 16–17
-    /// µs here against 24–28 µs on the tiles, and 8 tokens 43 against 57 µs. At 64 tokens it
-    /// was 311 against 270 µs. On the medium model, decode went from 23.2–23.7 to 23.7–25.0
-    /// tokens/s and prefill from 246–249 to 225–231.
+    /// The default even where AMX is present: at one token the register path is faster
+    /// (2 threads, 512 × 1024 expert matrix streamed from memory: 16.5 µs against 23 on the
+    /// tiles), at several tokens per expert the tiles are (`Mxfp4Tiles`).
     Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool },
+    /// MXFP4 for the AMX tiles (`packed_amx`), taken at load when asked ([`set_mxfp4_on_tiles`]),
+    /// the tiles are on and every scale lies in [`TILE_SCALES`]. 1024 × 2048, 2 threads, streamed:
+    /// 1 token 82 against 59 µs on the registers, 8 tokens 131 against 164, 64 tokens 432
+    /// against 1120. Same bytes as `Mxfp4`: the same bytes as `Mxfp4`, each panel's 32-column block as
+    /// 256 bytes that widen to its BF16 weight tile two tile rows at a time — byte `32c + j`
+    /// holds lane `j` (row `j / 2`, column parity `j % 2`) of tile row `2c` in its low nibble and
+    /// of tile row `2c + 1` in its high nibble — and `scales[panel][group][row]` as in `Mxfp4`.
+    Mxfp4Tiles { codes: AlignedVec<u8>, scales: Vec<u8> },
     /// `codes[panel][pair][even 16 | odd 16]` E4M3 codes (an odd last column paired with code 0)
     /// and `scales[row]`, padded to whole panels.
     Fp8 { codes: AlignedVec<u8>, scales: Vec<f32> },
@@ -162,9 +169,55 @@ fn fp8_raw(b: u8) -> f32 {
 /// group scales stays a normal float for any realistic activation (below ~2^60 · cols).
 const MAX_SCALE_SPAN: u8 = 64;
 
+/// Whether MXFP4 weights packed from now on take the AMX tile layout: unset, then the
+/// environment's `KIMI_MXFP4=tiles`, else off. See [`set_mxfp4_on_tiles`].
+static MXFP4_TILES: AtomicU8 = AtomicU8::new(0);
+
+/// Lays MXFP4 weights packed from now on out for the AMX tiles (where the CPU has them and the
+/// scales fit), or for the register-decoding products (the default). The tiles make every
+/// product with several tokens per expert faster and one token slower, for all token counts
+/// alike (a sequence's results never depend on its batch). Medium model, 2 threads: prefill
+/// +20 % (512-token prompt), batch-64 decode +13 %, batch-1 decode −5 %. `--mxfp4-tiles` sets it.
+pub fn set_mxfp4_on_tiles(on: bool) {
+    MXFP4_TILES.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether MXFP4 weights packed now take the AMX tile layout (where the CPU has the tiles).
+pub fn mxfp4_on_tiles() -> bool {
+    match MXFP4_TILES.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("KIMI_MXFP4").is_ok_and(|v| v == "tiles");
+            set_mxfp4_on_tiles(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// E8M0 scales whose groups' values are all normal, finite BF16 numbers (the tiles read
+/// subnormals as zero): 0.5 · 2^(s − 127) ≥ 2^−126 and 6 · 2^(s − 127) < 2^128, which also
+/// keeps the tile decoder's biased lookup exact (see `packed_amx`).
+pub(crate) const TILE_SCALES: std::ops::RangeInclusive<u8> = 2..=252;
+
+/// Where column `c` of row `r` (within its panel) sits in an `Mxfp4Tiles` panel of `pairs`
+/// column pairs: the byte and whether it is the high nibble.
+pub(crate) fn tile_code_at(pairs: usize, p: usize, r: usize, c: usize) -> (usize, bool) {
+    let (block, within) = (c / GROUP, c % GROUP);
+    let (pair, odd) = (within / 2, within % 2);
+    let byte = (p * pairs + block * TILE_PAIRS) * PANEL + (pair / 2) * 2 * PANEL + 2 * r + odd;
+    (byte, pair % 2 == 1)
+}
+
 impl PackedMatrix {
     /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32) or an empty one.
+    /// MXFP4 takes the AMX tile layout where [`mxfp4_on_tiles`] asks for it.
     pub fn pack(m: &Matrix<'_>) -> Option<PackedMatrix> {
+        PackedMatrix::pack_with(m, mxfp4_on_tiles())
+    }
+
+    /// [`PackedMatrix::pack`], MXFP4 on the AMX tiles when `mxfp4_tiles` (and the CPU has them,
+    /// and every scale fits [`TILE_SCALES`]).
+    pub fn pack_with(m: &Matrix<'_>, mxfp4_tiles: bool) -> Option<PackedMatrix> {
         let (rows, cols) = (m.rows(), m.cols());
         if rows == 0 || cols == 0 {
             // An empty shard (a rank with no rows of a small dimension): nothing to lay out.
@@ -204,6 +257,29 @@ impl PackedMatrix {
                         }
                     },
                 );
+                let on_tiles = mxfp4_tiles
+                    && super::packed_amx::enabled()
+                    && (0..rows).into_par_iter().all(|r| mxfp4_row(q, r).1.iter().all(|s| TILE_SCALES.contains(s)));
+                if on_tiles {
+                    // The same codes, moved to the tile layout.
+                    let mut codes = AlignedVec::<u8>::zeroed(nibbles.len());
+                    let nibble = |b: u8, odd: usize| if odd == 1 { b >> 4 } else { b & 15 };
+                    codes.par_chunks_mut(pairs * PANEL).zip(nibbles.par_chunks(pairs * PANEL)).for_each(
+                        |(panel, nib)| {
+                            // Byte j of a 32-byte chunk: lane j of tile rows (pairs) q and q + 1.
+                            for (k, chunk) in panel.chunks_exact_mut(2 * PANEL).enumerate() {
+                                let q = 2 * k;
+                                for (j, out) in chunk.iter_mut().enumerate() {
+                                    let (r, odd) = (j / 2, j % 2);
+                                    let low = nibble(nib[q * PANEL + r], odd);
+                                    let high = nibble(nib[(q + 1) * PANEL + r], odd);
+                                    *out = low | high << 4;
+                                }
+                            }
+                        },
+                    );
+                    return Some(PackedMatrix { rows, cols, data: PackedData::Mxfp4Tiles { codes, scales } });
+                }
                 let scaled_chain = (0..rows).into_par_iter().all(|r| {
                     let codes = mxfp4_row(q, r).1.iter().copied().filter(|&b| b != 255);
                     let (lo, hi) = codes.fold((u8::MAX, 0u8), |(lo, hi), b| (lo.min(b), hi.max(b)));
@@ -256,6 +332,7 @@ impl PackedMatrix {
         match &self.data {
             PackedData::Bf16(v) => 2 * v.len(),
             PackedData::Mxfp4 { nibbles, scales, .. } => nibbles.len() + scales.len(),
+            PackedData::Mxfp4Tiles { codes, scales } => codes.len() + scales.len(),
             PackedData::Fp8 { codes, scales } => codes.len() + 4 * scales.len(),
         }
     }
@@ -273,6 +350,12 @@ impl PackedMatrix {
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
                     let b = nibbles[(p * pairs + c / 2) * PANEL + lane];
                     let code = if c % 2 == 0 { b & 15 } else { b >> 4 };
+                    let s = scales[(p * (self.cols / GROUP) + c / GROUP) * PANEL + lane];
+                    E2M1[code as usize] * e8m0_to_f32(s)
+                }
+                PackedData::Mxfp4Tiles { codes, scales } => {
+                    let (at, high) = tile_code_at(pairs, p, lane, c);
+                    let code = if high { codes[at] >> 4 } else { codes[at] & 15 };
                     let s = scales[(p * (self.cols / GROUP) + c / GROUP) * PANEL + lane];
                     E2M1[code as usize] * e8m0_to_f32(s)
                 }
@@ -382,6 +465,7 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
         let direct = match &w.data {
             PackedData::Bf16(_) | PackedData::Fp8 { .. } => true,
             PackedData::Mxfp4 { scaled_chain, .. } => *scaled_chain,
+            PackedData::Mxfp4Tiles { .. } => false,
         };
         if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
             // Few token tiles on AVX-512: decode in registers as they go.
@@ -449,6 +533,16 @@ fn decode_pair(w: &PackedMatrix, p: usize, q: usize, we: &mut [f32], wo: &mut [f
                 let s = e8m0_to_f32(scales[sbase + r]);
                 we[r] = E2M1[(b & 15) as usize] * s;
                 wo[r] = E2M1[(b >> 4) as usize] * s;
+            }
+        }
+        PackedData::Mxfp4Tiles { codes, scales } => {
+            let sbase = (p * (cols / GROUP) + 2 * q / GROUP) * PANEL;
+            for r in 0..PANEL {
+                let s = e8m0_to_f32(scales[sbase + r]);
+                for (c, o) in [(2 * q, &mut we[r]), (2 * q + 1, &mut wo[r])] {
+                    let (at, high) = tile_code_at(pairs, p, r, c);
+                    *o = E2M1[(if high { codes[at] >> 4 } else { codes[at] & 15 }) as usize] * s;
+                }
             }
         }
         PackedData::Fp8 { codes, .. } => {
@@ -649,6 +743,17 @@ mod x86 {
                             let (we, wo) = fp8_pair(codes.as_ptr().add(((p0 + i) * pairs + q) * PANEL * 2));
                             _mm512_storeu_ps(dst(q, i), we);
                             _mm512_storeu_ps(dst(q, i).add(PANEL), wo);
+                        }
+                    }
+                }
+                PackedData::Mxfp4Tiles { .. } => {
+                    // Laid out for the AMX tiles, which take every product over it; decoded
+                    // value by value should a product ever come here.
+                    for q in 0..pairs {
+                        for i in 0..np {
+                            // SAFETY: `wide` holds pairs × GROUP_PANELS × 32 values (caller).
+                            let (we, wo) = std::slice::from_raw_parts_mut(dst(q, i), 2 * PANEL).split_at_mut(PANEL);
+                            super::decode_pair(w, p0 + i, q, we, wo);
                         }
                     }
                 }
@@ -855,6 +960,7 @@ mod x86 {
                         }
                     }
                 }
+                PackedData::Mxfp4Tiles { .. } => unreachable!("MXFP4 tile layouts are widened, never decoded here"),
             }
             let acc = sum.total(add);
             for i in 0..NP {

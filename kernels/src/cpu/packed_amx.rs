@@ -1,7 +1,9 @@
 //! Matrix products on Intel AMX tiles (`amx_bf16`, `tdpbf16ps`) over the packed panels of BF16
-//! weights, where the CPU has them (Sapphire Rapids and later). MXFP4 weights stay on the
-//! register-decoding f32 path (`packed`): widening their codes to BF16 tiles cost more than the
-//! tiles saved (measured in `PackedData::Mxfp4`'s docs).
+//! weights, where the CPU has them (Sapphire Rapids and later), and over MXFP4 weights packed
+//! for the tiles (`--mxfp4-tiles`): their codes widen to BF16 weight tiles on the fly, exactly
+//! (every E2M1 value times a scale in `TILE_SCALES` is a normal BF16 number). By default MXFP4
+//! stays on the register-decoding f32 path (`packed`), faster at one token (see
+//! `PackedData::Mxfp4Tiles`).
 //!
 //! **Activations.** The tiles multiply BF16 by BF16 into f32. BF16 activations alone move the
 //! goldens' logits by about 1.4 (their tolerance is 0.013: router choices flip), so each f32
@@ -74,9 +76,9 @@ fn detect() -> bool {
     false
 }
 
-/// Whether [`matmul`] takes `w`: AMX on, and BF16.
+/// Whether [`matmul`] takes `w`: AMX on, and BF16 or MXFP4 in the tile layout.
 pub fn takes(w: &PackedMatrix) -> bool {
-    matches!(w.data, PackedData::Bf16(_)) && enabled()
+    matches!(w.data, PackedData::Bf16(_) | PackedData::Mxfp4Tiles { .. }) && enabled()
 }
 
 thread_local! {
@@ -167,7 +169,9 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TILE_COLS, TILE_PAIRS, TILE_TOKENS};
+    use crate::cpu::aligned::AlignedVec;
     use crate::cpu::disjoint::DisjointOut;
+    use crate::cpu::mxfp4::E2M1;
 
     /// The tile palette: tmm0–3 accumulators (`rows` × 16 f32), tmm4–5 activations (`rows` ×
     /// 32 BF16), tmm6–7 weights (16 pairs × 16 output rows × 2).
@@ -379,11 +383,131 @@ mod x86 {
                         blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
                     }
                 }
+                PackedData::Mxfp4Tiles { codes, scales } => {
+                    let (pairs, groups) = (w.pairs(), cols / TILE_COLS);
+                    let code_at = |i: usize, b: usize| codes.as_ptr().add(((p0 + i) * pairs + b * TILE_PAIRS) * PANEL);
+                    let scale_at = |i: usize, b: usize| scales.as_ptr().add(((p0 + i) * groups + b) * PANEL);
+                    let lut = _mm512_loadu_si512(MXFP4_TILE_LUT.0.as_ptr() as *const __m512i);
+                    if tiles == 1 {
+                        // One token tile: each block's weight tiles are widened as they stream,
+                        // the task's panels chunk by chunk, into staging tiles (two sets, so a
+                        // block's widening need not wait for the last block's tile loads).
+                        let mut stage =
+                            [Stage([[0; TILE_WORDS]; GROUP_PANELS]), Stage([[0; TILE_WORDS]; GROUP_PANELS])];
+                        configure(&TileConfig::new(3 * tokens));
+                        (0..np).for_each(|i| zero(i));
+                        for b in 0..blocks {
+                            let st = &mut stage[b % 2];
+                            let base = st.0.as_mut_ptr() as *mut u16;
+                            let dst_at = |i: usize| base.add(i * TILE_WORDS);
+                            widen_mxfp4_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, &dst_at);
+                            load(4, a_at(0, b));
+                            for i in 0..np {
+                                load(6 + i % 2, st.0[i].as_ptr());
+                                dot(i, 4, 6 + i % 2);
+                            }
+                        }
+                        (0..np).for_each(|i| finish(i, 0, i));
+                    } else {
+                        // Several token tiles: the task's panels are widened once into BF16
+                        // weight tiles, then multiplied as BF16 panels are.
+                        let mut wide = WIDE_TILES.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                        wide.reserve_len(np * blocks * TILE_WORDS);
+                        let base = wide.as_mut_ptr();
+                        for b in 0..blocks {
+                            let dst_at = |i: usize| base.add((i * blocks + b) * TILE_WORDS);
+                            widen_mxfp4_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, &dst_at);
+                        }
+                        let base = wide.as_ptr();
+                        let b_at = |i: usize, b: usize| base.add((i * blocks + b) * TILE_WORDS);
+                        blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
+                        WIDE_TILES.with(|w| {
+                            let mut slot = w.borrow_mut();
+                            if slot.len() < wide.len() {
+                                *slot = wide;
+                            }
+                        });
+                    }
+                }
                 PackedData::Mxfp4 { .. } | PackedData::Fp8 { .. } => {
-                    unreachable!("only BF16 matrices are taken")
+                    unreachable!("only BF16 and MXFP4-tile matrices are taken")
                 }
             }
             release();
+        }
+    }
+
+    /// BF16 values in one weight tile (16 rows of 32).
+    const TILE_WORDS: usize = TILE_PAIRS * TILE_COLS;
+
+    /// One widened weight tile per panel of a task, each on its own cache lines (an unaligned
+    /// tile load costs several times an aligned one).
+    #[repr(C, align(64))]
+    struct Stage([[u16; TILE_WORDS]; GROUP_PANELS]);
+
+    thread_local! {
+        /// A task's MXFP4 panels widened to BF16 weight tiles, `[panel][block][tile]`.
+        static WIDE_TILES: std::cell::RefCell<AlignedVec<u16>> = std::cell::RefCell::new(AlignedVec::default());
+    }
+
+    /// 32 lookup entries (a code's low 4 bits, repeated: `vpermw` reads 5 index bits) holding
+    /// each E2M1 value as BF16 bits with the exponent raised by 126, and ±0 as 0. Subtracting
+    /// `(253 − s) << 7` with unsigned saturation then scales a value by 2^(s − 127) and keeps
+    /// zeros zero, one instruction for both: for s in `TILE_SCALES` the raised exponent never
+    /// borrows into the sign and the result's exponent stays normal.
+    #[repr(C, align(64))]
+    struct TileLut([u16; 32]);
+
+    static MXFP4_TILE_LUT: TileLut = {
+        let mut t = [0u16; 32];
+        let mut e = 0;
+        while e < 32 {
+            let k = e & 15;
+            let magnitude = (E2M1[k & 7].to_bits() >> 16) as u16;
+            if magnitude != 0 {
+                t[e] = (magnitude + (126 << 7)) | if k & 8 != 0 { 0x8000 } else { 0 };
+            }
+            e += 1;
+        }
+        TileLut(t)
+    };
+
+    /// Widens block `b`'s 32 columns of `np` panels — each 256 code bytes in the `Mxfp4Tiles`
+    /// layout and its 16 rows' scales — into their BF16 weight tiles (16 rows of 32 values at
+    /// `dst_at(i)`): per 32 code bytes, two lookups give two tile rows, each scaled by one
+    /// saturating subtract. The panels go chunk by chunk, so their code streams are read side
+    /// by side (a panel at a time streamed measurably slower from memory).
+    ///
+    /// SAFETY (caller): AVX-512 F / BW enabled; for i < np ≤ GROUP_PANELS, `code_at(i)` holds
+    /// 256 bytes, `scale_at(i)` 16 and `dst_at(i)` 512 values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn widen_mxfp4_blocks(
+        np: usize,
+        code_at: &dyn Fn(usize) -> *const u8,
+        scale_at: &dyn Fn(usize) -> *const u8,
+        lut: __m512i,
+        dst_at: &dyn Fn(usize) -> *mut u16,
+    ) {
+        // SAFETY: the reads and writes stay inside the ranges the caller gives.
+        unsafe {
+            let mut down = [_mm512_setzero_si512(); GROUP_PANELS];
+            for (i, d) in down.iter_mut().enumerate().take(np) {
+                let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(scale_at(i) as *const __m128i));
+                // Row r's scale in both of its lanes (2r, 2r + 1), as the lookup's subtrahend.
+                let s = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
+                *d = _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(253), s));
+            }
+            for c in 0..TILE_PAIRS / 2 {
+                for (i, &d) in down.iter().enumerate().take(np) {
+                    let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(code_at(i).add(32 * c) as *const __m256i));
+                    let low = _mm512_subs_epu16(_mm512_permutexvar_epi16(w, lut), d);
+                    let high = _mm512_subs_epu16(_mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(w), lut), d);
+                    let dst = dst_at(i);
+                    _mm512_storeu_si512(dst.add(2 * c * TILE_COLS) as *mut __m512i, low);
+                    _mm512_storeu_si512(dst.add((2 * c + 1) * TILE_COLS) as *mut __m512i, high);
+                }
+            }
         }
     }
 

@@ -31,7 +31,9 @@ fn fp8_dense_layer_zero_is_within_the_rounding_bound_and_weights_halve() {
     let per_product = (2.0f64 / 3.0).sqrt() * E4M3_UNIT_ROUNDOFF as f64;
     for name in ["k3-tiny", "k3-tiny-mxfp4", "k31-tiny-indexer"] {
         let g = Golden::open(name);
-        let fp8 = Model::load_as(&g.dir, Parallelism::default(), WeightFormat { fp8_dense: true }).expect("fp8 load");
+        let fp8 =
+            Model::load_as(&g.dir, Parallelism::default(), WeightFormat { fp8_dense: true, ..WeightFormat::default() })
+                .expect("fp8 load");
         let mut tr = Trace::default();
         let ids = g.ids("trace.len7.input_ids");
         fp8.forward(&ids, &mut fp8.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("traced prefill");
@@ -78,7 +80,9 @@ fn fp8_dense_on_two_tensor_parallel_ranks_stays_within_the_bound() {
     // rank's own columns, which moves the result by FP8 rounding, not more.
     let per_product = (2.0f64 / 3.0).sqrt() * E4M3_UNIT_ROUNDOFF as f64;
     let g = Golden::open("k3-tiny-mxfp4");
-    let two = Model::load_as(&g.dir, Parallelism::tensor(2), WeightFormat { fp8_dense: true }).expect("fp8 TP 2");
+    let two =
+        Model::load_as(&g.dir, Parallelism::tensor(2), WeightFormat { fp8_dense: true, ..WeightFormat::default() })
+            .expect("fp8 TP 2");
     let mut tr = Trace::default();
     let ids = g.ids("trace.len7.input_ids");
     two.forward(&ids, &mut two.new_state(), LogitsFor::AllTokens, Some(&mut tr)).expect("traced");

@@ -249,8 +249,8 @@ fn k31_tiny_indexer_matches_release() {
 /// machines skip it, saying so (the kernels' tests cover their lower levels).
 #[test]
 fn goldens_pass_with_the_amx_tiles_and_without() {
-    if std::env::var_os("KIMI_SIMD").is_some() {
-        return; // already the forced run
+    if std::env::var_os("KIMI_SIMD").is_some() || std::env::var_os("KIMI_MXFP4").is_some() {
+        return; // a forced run already
     }
     if !kimi_kernels::amx_enabled() {
         eprintln!("skipped: this CPU has no AMX tiles; the goldens ran on {}", kimi_kernels::simd_level().name());
@@ -266,6 +266,31 @@ fn goldens_pass_with_the_amx_tiles_and_without() {
         .expect("re-run the golden tests");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "goldens fail with the AMX tiles off:\n{text}");
+    assert!(text.contains("6 passed"), "the forced run ran the three goldens and three batch tests:\n{text}");
+}
+
+/// With `--mxfp4-tiles` (here `KIMI_MXFP4=tiles`, the same switch) the MXFP4 golden's routed
+/// experts run on the AMX tiles, widened to BF16 tiles from their codes: the goldens and the
+/// batch-invariance tests hold there too. Skipped, saying so, without AMX.
+#[test]
+fn goldens_pass_with_mxfp4_on_the_amx_tiles() {
+    if std::env::var_os("KIMI_SIMD").is_some() || std::env::var_os("KIMI_MXFP4").is_some() {
+        return; // a forced run already
+    }
+    if !kimi_kernels::amx_enabled() {
+        eprintln!("skipped: this CPU has no AMX tiles; MXFP4 stays on {}", kimi_kernels::simd_level().name());
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let filters = ["golden_model::k3_tiny", "golden_model::k31_tiny", "batch::a_sequence_in_a_mixed_batch"];
+    let out = std::process::Command::new(&exe)
+        .env("KIMI_MXFP4", "tiles")
+        .args(filters)
+        .args(["--test-threads", "2"])
+        .output()
+        .expect("re-run the golden tests");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "goldens fail with MXFP4 on the AMX tiles:\n{text}");
     assert!(text.contains("6 passed"), "the forced run ran the three goldens and three batch tests:\n{text}");
 }
 
