@@ -237,18 +237,10 @@ fn k31_tiny_indexer_matches_release() {
     check_case("k31-tiny-indexer");
 }
 
-/// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model,
-/// on every golden model: the 7-token traced prefill (every traced tensor and the logits) and the
-/// cached decode steps (logits, states after decode) run on the GPU backend over the host build
-/// (`host_backend`: every op staged through "device" memory as on a GPU) — RMSNorm, KDA's gated
-/// norm, SiTU, AttnRes, the embedding, the router, KDA's convolution and decode step on the
-/// kernels — at AMD's wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled on the CPU backend:
-/// each GPU thread is an OS thread here, so long prefills through the kernels would take minutes.
-/// On a CPU with AMX tiles the goldens above ran their BF16 products on the tiles (the default). This runs them, and the batch-invariance tests, once more with the tiles off
-/// (`KIMI_SIMD=avx512`), so both product paths are held to the goldens on such a machine; other
-/// machines skip it, saying so (the kernels' tests cover their lower levels).
-#[test]
-fn goldens_pass_with_the_amx_tiles_and_without() {
+/// Re-runs this binary's three golden tests and three batch-invariance tests with `var=value` in
+/// the environment (a product path forced on or off), on a CPU with AMX tiles; other machines skip
+/// it, saying so.
+fn rerun_goldens_with(var: &str, value: &str, what: &str) {
     if std::env::var_os("KIMI_SIMD").is_some() || std::env::var_os("KIMI_MXFP4").is_some() {
         return; // a forced run already
     }
@@ -259,41 +251,41 @@ fn goldens_pass_with_the_amx_tiles_and_without() {
     let exe = std::env::current_exe().expect("test binary path");
     let filters = ["golden_model::k3_tiny", "golden_model::k31_tiny", "batch::a_sequence_in_a_mixed_batch"];
     let out = std::process::Command::new(&exe)
-        .env("KIMI_SIMD", "avx512")
+        .env(var, value)
         .args(filters)
         .args(["--test-threads", "2"])
         .output()
         .expect("re-run the golden tests");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "goldens fail with the AMX tiles off:\n{text}");
+    assert!(out.status.success(), "goldens fail with {what}:\n{text}");
     assert!(text.contains("6 passed"), "the forced run ran the three goldens and three batch tests:\n{text}");
+}
+
+/// On a CPU with AMX tiles the goldens above ran their BF16 products on the tiles (the default).
+/// This runs them, and the batch-invariance tests, once more with the tiles off
+/// (`KIMI_SIMD=avx512`), so both product paths are held to the goldens on such a machine (the
+/// kernels' tests cover the lower SIMD levels).
+#[test]
+fn goldens_pass_with_the_amx_tiles_and_without() {
+    rerun_goldens_with("KIMI_SIMD", "avx512", "the AMX tiles off");
 }
 
 /// With `--mxfp4-tiles` (here `KIMI_MXFP4=tiles`, the same switch) the MXFP4 golden's routed
 /// experts run on the AMX tiles, widened to BF16 tiles from their codes: the goldens and the
-/// batch-invariance tests hold there too. Skipped, saying so, without AMX.
+/// batch-invariance tests hold there too.
 #[test]
 fn goldens_pass_with_mxfp4_on_the_amx_tiles() {
-    if std::env::var_os("KIMI_SIMD").is_some() || std::env::var_os("KIMI_MXFP4").is_some() {
-        return; // a forced run already
-    }
-    if !kimi_kernels::amx_enabled() {
-        eprintln!("skipped: this CPU has no AMX tiles; MXFP4 stays on {}", kimi_kernels::simd_level().name());
-        return;
-    }
-    let exe = std::env::current_exe().expect("test binary path");
-    let filters = ["golden_model::k3_tiny", "golden_model::k31_tiny", "batch::a_sequence_in_a_mixed_batch"];
-    let out = std::process::Command::new(&exe)
-        .env("KIMI_MXFP4", "tiles")
-        .args(filters)
-        .args(["--test-threads", "2"])
-        .output()
-        .expect("re-run the golden tests");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "goldens fail with MXFP4 on the AMX tiles:\n{text}");
-    assert!(text.contains("6 passed"), "the forced run ran the three goldens and three batch tests:\n{text}");
+    rerun_goldens_with("KIMI_MXFP4", "tiles", "MXFP4 on the AMX tiles");
 }
 
+/// The GPU kernels (`kernels/ops/*.cu`, built for the host through kpl) inside the whole model,
+/// on every golden model: the 7-token traced prefill (every traced tensor and the logits) and the
+/// cached decode steps (logits, states after decode) run on the GPU backend over the host build
+/// (`host_backend`: every op staged through "device" memory as on a GPU) — RMSNorm, KDA's gated
+/// norm, SiTU, AttnRes, the embedding, the router, KDA's convolution and decode step on the
+/// kernels — at AMD's wave 64, and one model at NVIDIA's wave 32. The decode prompt is prefilled
+/// on the CPU backend: each GPU thread is an OS thread here, so long prefills through the kernels
+/// would take minutes.
 #[test]
 fn goldens_pass_through_the_host_built_gpu_kernels() {
     use kimi_kpl_host::host_backend;
