@@ -142,8 +142,8 @@ pub(crate) enum PackedData {
     /// MXFP4 for the AMX tiles (`packed_amx`), taken at load when asked ([`set_mxfp4_on_tiles`]),
     /// the tiles are on and every scale lies in [`TILE_SCALES`]. 1024 × 2048, 2 threads, streamed:
     /// 1 token 82 against 59 µs on the registers, 8 tokens 131 against 164, 64 tokens 432
-    /// against 1120. Same bytes as `Mxfp4`: the same bytes as `Mxfp4`, each panel's 32-column block as
-    /// 256 bytes that widen to its BF16 weight tile two tile rows at a time — byte `32c + j`
+    /// against 1120. The same bytes as `Mxfp4`: each panel's 32-column block as 256 bytes that
+    /// widen to its BF16 weight tile two tile rows at a time — byte `32c + j`
     /// holds lane `j` (row `j / 2`, column parity `j % 2`) of tile row `2c` in its low nibble and
     /// of tile row `2c + 1` in its high nibble — and `scales[panel][group][row]` as in `Mxfp4`.
     Mxfp4Tiles { codes: AlignedVec<u8>, scales: Vec<u8> },
