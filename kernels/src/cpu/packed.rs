@@ -104,16 +104,12 @@ impl<T: Copy> PairwiseSum<T> {
     }
 }
 
-/// 16 floats on a cache line of their own: the widened weights are read as whole aligned lines
-/// (an unaligned buffer splits every load across two lines, measured at twice the step time).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; PANEL]);
-
 thread_local! {
     /// A panel group's weights widened to f32 (`[pair][panel][even 16 | odd 16]`), reused by
-    /// every token tile of a call with many tokens.
-    static WIDE: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+    /// every token tile of a call with many tokens. On cache lines: the widened weights are read
+    /// as whole aligned lines (an unaligned buffer splits every load across two lines, measured
+    /// at twice the step time).
+    static WIDE: RefCell<AlignedVec<f32>> = RefCell::new(AlignedVec::default());
 }
 
 /// A weight in the panel layout, owned (built from a borrowed stored-format matrix).
@@ -474,15 +470,10 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
             // Widen the group once, so the tiles only multiply (same values, so same chains; the
             // other SIMD levels always take this path).
             WIDE.with(|s| {
-                let mut lines = s.borrow_mut();
-                let need = w.pairs() * GROUP_PANELS * 2;
-                if lines.len() < need {
-                    lines.resize(need, Line([0.0; PANEL]));
-                }
-                // SAFETY: `Line` is `repr(C)` over 16 f32 with no padding (64 bytes, align 64), so
-                // `need` lines are `need * 16` initialised, aligned f32 borrowed exclusively.
-                let wide: &mut [f32] =
-                    unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut f32, need * PANEL) };
+                let mut buf = s.borrow_mut();
+                let need = w.pairs() * GROUP_PANELS * 2 * PANEL;
+                buf.reserve_len(need);
+                let wide = &mut buf[..need];
                 widen(w, p0, np, wide);
                 tiles(Some(wide));
             });
