@@ -24,7 +24,13 @@ pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], b
             super::elementwise::exp_in_place(decay);
             let kq = dot(k, q);
             // SAFETY: the level was detected at run time and every length was checked above.
-            unsafe { x86::step_avx512(state, q, k, v, decay, beta, kq, out) };
+            unsafe {
+                if dv == 128 {
+                    x86::step_rows_avx512::<8>(state, q, k, v, decay, beta, kq, out)
+                } else {
+                    x86::step_avx512(state, q, k, v, decay, beta, kq, out)
+                }
+            };
         });
     }
     with_tmp(dv, |pred| {
@@ -259,6 +265,59 @@ pub fn kda_prefill(
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// The recurrent step over whole rows of `16 N` values: a first pass streams the rows in
+    /// memory order, decaying each in registers into `pred` and the read; a second pass decays
+    /// them again (the same product, so the same bits) and writes the delta-rule update. The
+    /// state is read from memory once (the second pass finds it in the caches) and written
+    /// once, in memory order — faster from cold memory than column blocks, whose rows lie a
+    /// row's length apart. Every value is the same chain of operations as in [`step_avx512`].
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn step_rows_avx512<const N: usize>(
+        state: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        decay: &[f32],
+        beta: f32,
+        kq: f32,
+        out: &mut [f32],
+    ) {
+        let dv = 16 * N;
+        debug_assert!(v.len() == dv && out.len() == dv && state.len() == k.len() * dv);
+        // SAFETY: rows j < k.len() of `dv` values lie inside `state`; v and out hold dv values.
+        unsafe {
+            let mut pred = [_mm512_setzero_ps(); N];
+            let mut read = [_mm512_setzero_ps(); N];
+            for j in 0..k.len() {
+                let p = state.as_ptr().add(j * dv);
+                let (d, kj, qj) = (_mm512_set1_ps(decay[j]), _mm512_set1_ps(k[j]), _mm512_set1_ps(q[j]));
+                for n in 0..N {
+                    let row = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * n)), d);
+                    pred[n] = _mm512_fmadd_ps(kj, row, pred[n]);
+                    read[n] = _mm512_fmadd_ps(qj, row, read[n]);
+                }
+            }
+            let b = _mm512_set1_ps(beta);
+            let mut err = [_mm512_setzero_ps(); N];
+            for (n, (e, p)) in err.iter_mut().zip(pred).enumerate() {
+                *e = _mm512_mul_ps(b, _mm512_sub_ps(_mm512_loadu_ps(v.as_ptr().add(16 * n)), p));
+            }
+            for j in 0..k.len() {
+                let p = state.as_mut_ptr().add(j * dv);
+                let (d, kj) = (_mm512_set1_ps(decay[j]), _mm512_set1_ps(k[j]));
+                for (n, &e) in err.iter().enumerate() {
+                    let row = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * n)), d);
+                    _mm512_storeu_ps(p.add(16 * n), _mm512_fmadd_ps(kj, e, row));
+                }
+            }
+            let kq = _mm512_set1_ps(kq);
+            for (n, (e, r)) in err.into_iter().zip(read).enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * n), _mm512_fmadd_ps(kq, e, r));
+            }
+        }
+    }
+
     /// The recurrent step one 16-column block of the state at a time: decay the block's rows and
     /// gather `pred` and the read in registers, then write the delta-rule update into the same
     /// rows while they are still in L1 — the state is read once and written once.
@@ -300,6 +359,49 @@ mod x86 {
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), m, _mm512_fmadd_ps(_mm512_set1_ps(kq), err, read));
             }
             c += 16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row-order step (K3's 128-wide heads) and the column-block step are the same chain of
+    /// operations per value: the same state and output bits from the same inputs, over several
+    /// steps of a decaying, updating state.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn row_order_step_gives_the_column_block_steps_bits() {
+        if simd_level() != SimdLevel::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let (dk, dv) = (128usize, 128usize);
+        let mut seed = 0x9e37_79b9u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let mut rows: Vec<f32> = (0..dk * dv).map(|_| next()).collect();
+        let mut blocks = rows.clone();
+        for step in 0..4 {
+            let q: Vec<f32> = (0..dk).map(|_| next()).collect();
+            let k: Vec<f32> = (0..dk).map(|_| next()).collect();
+            let v: Vec<f32> = (0..dv).map(|_| next()).collect();
+            let decay: Vec<f32> = (0..dk).map(|_| (next() - 0.5).exp()).collect();
+            let (beta, kq) = (next() + 0.5, next());
+            let (mut o_rows, mut o_blocks) = (vec![0f32; dv], vec![0f32; dv]);
+            // SAFETY: AVX-512 was detected; every length is dk × dv, dk or dv as both require.
+            unsafe {
+                x86::step_rows_avx512::<8>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows);
+                x86::step_avx512(&mut blocks, &q, &k, &v, &decay, beta, kq, &mut o_blocks);
+            }
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same(&o_rows, &o_blocks), "step {step}: outputs differ");
+            assert!(same(&rows, &blocks), "step {step}: states differ");
         }
     }
 }
