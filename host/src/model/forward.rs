@@ -685,19 +685,12 @@ impl Model {
         for (s, span) in seqs.iter_mut().zip(&layout.spans) {
             s.state.len += span.len;
         }
-        let v = self.config.text.vocab_size;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for r in &wanted {
-            out.push(logits[at * v..(at + r.len()) * v].to_vec());
-            at += r.len();
-        }
-        Ok(out)
+        Ok(logits)
     }
 
     /// One rank's program for a step: every rank runs it side by side on the same inputs, with
     /// its own weights and state, meeting in the same collectives in the same order. Returns the
-    /// wanted rows' logits, `[rows, V]`.
+    /// wanted rows' logits, `[rows, V]` for each wanted range of rows.
     fn rank_step(
         &self,
         rank: &Rank,
@@ -706,7 +699,7 @@ impl Model {
         taps: &mut [Option<&mut AuxTap<'_>>],
         mut trace: Option<&mut Trace>,
         times: Option<&mut OpTimes>,
-    ) -> Result<Vec<f32>, ModelError> {
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config.text;
         let (d, v) = (c.hidden_size, c.vocab_size);
         let layout = step.layout;
@@ -865,7 +858,8 @@ impl Model {
         }
         laps.lap(OpKind::Other);
         let local = rank.lm_head.matmul(be, sc, &picked, rows);
-        let logits = if split {
+        let gathered_logits;
+        let logits: &[f32] = if split {
             // Vocabulary-parallel head: every rank's `[rows, its vocab]` gathered, then laid out
             // as `[rows, V]`.
             let mut gathered = vec![0f32; rows * v];
@@ -881,15 +875,23 @@ impl Model {
                 }
                 at += rows * w;
             }
-            logits
+            gathered_logits = logits;
+            &gathered_logits
         } else {
-            local.to_vec()
+            &local
         };
         laps.lap(OpKind::LmHead);
         if let (Some(tr), true) = (trace, step.all_tokens_trace) {
-            tr.f32("logits", &[tokens, v], &logits);
+            tr.f32("logits", &[tokens, v], logits);
         }
-        Ok(logits)
+        // Each wanted range's rows, copied once out of the step's buffer.
+        let mut out = Vec::with_capacity(step.wanted.len());
+        let mut at = 0;
+        for r in step.wanted {
+            out.push(logits[at * v..(at + r.len()) * v].to_vec());
+            at += r.len();
+        }
+        Ok(out)
     }
 }
 

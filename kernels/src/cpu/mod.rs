@@ -21,6 +21,7 @@ pub mod indexer;
 pub mod kda;
 pub mod kda_conv;
 pub mod kda_recurrence;
+pub mod kept;
 pub mod mla_attention;
 pub mod mla_latent;
 pub mod moe;

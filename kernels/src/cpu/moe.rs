@@ -3,6 +3,7 @@
 use rayon::prelude::*;
 
 use super::elementwise::sigmoid;
+use super::kept::KeptBuffers;
 use super::simd::axpy;
 use crate::backend::{ExpertMatrices, RouterParams, Routing, SituParams};
 
@@ -77,8 +78,14 @@ pub fn moe_experts(
             next[e] += 1;
         }
     }
-    // Each active expert's output rows, in one buffer split into disjoint parts.
-    let mut ys = vec![0f32; rows.len() * lat];
+    // Each active expert's output rows, in one buffer split into disjoint parts (every value is
+    // written by its expert's product before it is read), kept per thread: a fresh one of a
+    // batch's size would fault in new pages every layer.
+    let mut kept = EXPERT_OUTPUTS.with(KeptBuffers::take);
+    if kept.len() < rows.len() * lat {
+        kept.resize(rows.len() * lat, 0.0);
+    }
+    let ys = &mut kept[..rows.len() * lat];
     let mut jobs: Vec<(usize, &mut [f32])> = Vec::with_capacity(experts.len());
     let mut rest = &mut ys[..];
     for e in 0..experts.len() {
@@ -93,9 +100,9 @@ pub fn moe_experts(
         let n = mine.len();
         let ex = &experts[e];
         let inter = ex.w1.rows();
-        // Taken out of the thread's slot, not borrowed: a nested product may run another
-        // expert's job on this thread while this one waits.
-        let mut bufs = EXPERT_BUFS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        // Taken, not borrowed: a nested product may run another expert's job on this thread
+        // while this one waits.
+        let mut bufs = EXPERT_BUFS.with(KeptBuffers::take);
         let [zin, a, u] = &mut bufs;
         zin.clear();
         for &(t, _) in mine {
@@ -106,7 +113,7 @@ pub fn moe_experts(
         super::gemm::matmul_many(&[ex.w1, ex.w3], zin, n, &mut [&mut a[..n * inter], &mut u[..n * inter]]);
         super::situ::situ_rows(&mut a[..n * inter], &u[..n * inter], act.beta, act.linear_beta);
         super::gemm::matmul(&ex.w2, &a[..n * inter], n, y);
-        EXPERT_BUFS.with(|b| *b.borrow_mut() = bufs);
+        EXPERT_BUFS.with(|b| b.give(bufs));
     });
     for e in 0..experts.len() {
         let y = &ys[starts[e] * lat..starts[e + 1] * lat];
@@ -114,9 +121,12 @@ pub fn moe_experts(
             axpy(w, &y[i * lat..(i + 1) * lat], &mut out[t * lat..(t + 1) * lat]);
         }
     }
+    EXPERT_OUTPUTS.with(|b| b.give(kept));
 }
 
 thread_local! {
+    /// The calling thread's buffer for every active expert's output rows.
+    static EXPERT_OUTPUTS: KeptBuffers<Vec<f32>> = const { KeptBuffers::new() };
     /// A routed-expert job's gathered inputs and its two activation buffers, kept per thread.
-    static EXPERT_BUFS: std::cell::RefCell<[Vec<f32>; 3]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+    static EXPERT_BUFS: KeptBuffers<[Vec<f32>; 3]> = const { KeptBuffers::new() };
 }

@@ -23,13 +23,13 @@
 //! results are the same alone or in any batch. They differ from the f32 chains by rounding;
 //! `KIMI_SIMD=avx512` (or lower) turns the tiles off.
 
-use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
 use super::aligned::AlignedVec;
 use super::disjoint::DisjointOut;
+use super::kept::KeptBuffers;
 use super::packed::{PANEL, PackedData, PackedMatrix, TILE_PAIRS};
 
 /// Tokens in one activation tile: three rows each (h, m, l), at most 16 rows.
@@ -83,7 +83,7 @@ pub fn takes(w: &PackedMatrix) -> bool {
 
 thread_local! {
     /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
-    static SPLIT: RefCell<AlignedVec<u16>> = RefCell::new(AlignedVec::default());
+    static SPLIT: KeptBuffers<AlignedVec<u16>> = const { KeptBuffers::new() };
 }
 
 /// `out[t, r] = Σ_c W[r, c] · x[t, c]` on the tiles; see the module documentation.
@@ -121,9 +121,9 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&
     }
     let blocks = cols.div_ceil(TILE_COLS);
     let tiles = tokens.div_ceil(TILE_TOKENS);
-    // The buffer is taken out of its slot, not borrowed: while this thread waits for the groups
-    // below it may run another product (a stolen job of a nested parallel loop).
-    let mut buf = SPLIT.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    // Taken, not borrowed: while this thread waits for the groups below it may run another
+    // product (a stolen job of a nested parallel loop).
+    let mut buf = SPLIT.with(KeptBuffers::take);
     let need = tiles * blocks * PANEL * TILE_COLS;
     buf.reserve_len(need);
     let split = &mut buf[..need];
@@ -155,12 +155,7 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&
     } else {
         (0..tasks).into_par_iter().for_each(run);
     }
-    SPLIT.with(|s| {
-        let mut slot = s.borrow_mut();
-        if slot.len() < buf.len() {
-            *slot = buf;
-        }
-    });
+    SPLIT.with(|s| s.give(buf));
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -171,6 +166,7 @@ mod x86 {
     use super::{GROUP_PANELS, PANEL, PackedData, PackedMatrix, TILE_COLS, TILE_PAIRS, TILE_TOKENS};
     use crate::cpu::aligned::AlignedVec;
     use crate::cpu::disjoint::DisjointOut;
+    use crate::cpu::kept::KeptBuffers;
     use crate::cpu::mxfp4::E2M1;
 
     /// The tile palette: tmm0–3 accumulators (`rows` × 16 f32), tmm4–5 activations (`rows` ×
@@ -411,7 +407,7 @@ mod x86 {
                     } else {
                         // Several token tiles: the task's panels are widened once into BF16
                         // weight tiles, then multiplied as BF16 panels are.
-                        let mut wide = WIDE_TILES.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                        let mut wide = WIDE_TILES.with(KeptBuffers::take);
                         wide.reserve_len(np * blocks * TILE_WORDS);
                         let base = wide.as_mut_ptr();
                         for b in 0..blocks {
@@ -421,12 +417,7 @@ mod x86 {
                         let base = wide.as_ptr();
                         let b_at = |i: usize, b: usize| base.add((i * blocks + b) * TILE_WORDS);
                         blocks_2x2(tiles, np, blocks, &a_at, &b_at, &mut finish);
-                        WIDE_TILES.with(|w| {
-                            let mut slot = w.borrow_mut();
-                            if slot.len() < wide.len() {
-                                *slot = wide;
-                            }
-                        });
+                        WIDE_TILES.with(|w| w.give(wide));
                     }
                 }
                 PackedData::Mxfp4 { .. } | PackedData::Fp8 { .. } => {
@@ -447,7 +438,7 @@ mod x86 {
 
     thread_local! {
         /// A task's MXFP4 panels widened to BF16 weight tiles, `[panel][block][tile]`.
-        static WIDE_TILES: std::cell::RefCell<AlignedVec<u16>> = std::cell::RefCell::new(AlignedVec::default());
+        static WIDE_TILES: KeptBuffers<AlignedVec<u16>> = const { KeptBuffers::new() };
     }
 
     /// 32 lookup entries (a code's low 4 bits, repeated: `vpermw` reads 5 index bits) holding
