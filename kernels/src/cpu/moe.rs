@@ -115,14 +115,25 @@ pub fn moe_experts(
         super::gemm::matmul(&ex.w2, &a[..n * inter], n, y);
         EXPERT_BUFS.with(|b| b.give(bufs));
     });
-    for e in 0..experts.len() {
-        let y = &ys[starts[e] * lat..starts[e + 1] * lat];
-        for (i, &(t, w)) in rows[starts[e]..starts[e + 1]].iter().enumerate() {
-            axpy(w, &y[i * lat..(i + 1) * lat], &mut out[t * lat..(t + 1) * lat]);
-        }
+    // Each token's weighted sum, in expert-id order (rows are grouped by ascending expert), the
+    // tokens side by side.
+    let mut count = vec![0usize; tokens];
+    let mut picked = vec![(0usize, 0f32); tokens * routing.top_k];
+    for (row, &(t, w)) in rows.iter().enumerate() {
+        picked[t * routing.top_k + count[t]] = (row, w);
+        count[t] += 1;
     }
+    let ys = &ys[..];
+    out.par_chunks_mut(lat.max(1)).with_min_len(TOKENS_PER_TASK).enumerate().for_each(|(t, o)| {
+        for &(row, w) in &picked[t * routing.top_k..t * routing.top_k + count[t]] {
+            axpy(w, &ys[row * lat..(row + 1) * lat], o);
+        }
+    });
     EXPERT_OUTPUTS.with(|b| b.give(kept));
 }
+
+/// Tokens per rayon task of the weighted sum: a decode token's stays on the calling thread.
+const TOKENS_PER_TASK: usize = 4;
 
 thread_local! {
     /// The calling thread's buffer for every active expert's output rows.
