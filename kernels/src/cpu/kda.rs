@@ -25,10 +25,12 @@ pub fn kda_step(state: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], b
             let kq = dot(k, q);
             // SAFETY: the level was detected at run time and every length was checked above.
             unsafe {
-                if dv == 128 {
-                    x86::step_rows_avx512::<8>(state, q, k, v, decay, beta, kq, out)
-                } else {
-                    x86::step_avx512(state, q, k, v, decay, beta, kq, out)
+                match dv {
+                    16 => x86::step_rows_avx512::<1>(state, q, k, v, decay, beta, kq, out),
+                    32 => x86::step_rows_avx512::<2>(state, q, k, v, decay, beta, kq, out),
+                    64 => x86::step_rows_avx512::<4>(state, q, k, v, decay, beta, kq, out),
+                    128 => x86::step_rows_avx512::<8>(state, q, k, v, decay, beta, kq, out),
+                    _ => x86::step_avx512(state, q, k, v, decay, beta, kq, out),
                 }
             };
         });
@@ -367,9 +369,10 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// The row-order step (K3's 128-wide heads) and the column-block step are the same chain of
-    /// operations per value: the same state and output bits from the same inputs, over several
-    /// steps of a decaying, updating state.
+    /// The row-order step (heads 16 to 128 wide; K3's are 128, the goldens' 16) and the
+    /// column-block step (other widths) are the same chain of operations per value: the same
+    /// state and output bits from the same inputs, over several steps of a decaying, updating
+    /// state.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn row_order_step_gives_the_column_block_steps_bits() {
@@ -377,7 +380,6 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
-        let (dk, dv) = (128usize, 128usize);
         let mut seed = 0x9e37_79b9u32;
         let mut next = move || {
             seed ^= seed << 13;
@@ -385,23 +387,30 @@ mod tests {
             seed ^= seed << 5;
             (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
         };
-        let mut rows: Vec<f32> = (0..dk * dv).map(|_| next()).collect();
-        let mut blocks = rows.clone();
-        for step in 0..4 {
-            let q: Vec<f32> = (0..dk).map(|_| next()).collect();
-            let k: Vec<f32> = (0..dk).map(|_| next()).collect();
-            let v: Vec<f32> = (0..dv).map(|_| next()).collect();
-            let decay: Vec<f32> = (0..dk).map(|_| (next() - 0.5).exp()).collect();
-            let (beta, kq) = (next() + 0.5, next());
-            let (mut o_rows, mut o_blocks) = (vec![0f32; dv], vec![0f32; dv]);
-            // SAFETY: AVX-512 was detected; every length is dk × dv, dk or dv as both require.
-            unsafe {
-                x86::step_rows_avx512::<8>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows);
-                x86::step_avx512(&mut blocks, &q, &k, &v, &decay, beta, kq, &mut o_blocks);
+        for (dk, dv) in [(128usize, 128usize), (16, 16), (48, 32), (64, 64)] {
+            let mut rows: Vec<f32> = (0..dk * dv).map(|_| next()).collect();
+            let mut blocks = rows.clone();
+            for step in 0..4 {
+                let q: Vec<f32> = (0..dk).map(|_| next()).collect();
+                let k: Vec<f32> = (0..dk).map(|_| next()).collect();
+                let v: Vec<f32> = (0..dv).map(|_| next()).collect();
+                let decay: Vec<f32> = (0..dk).map(|_| (next() - 0.5).exp()).collect();
+                let (beta, kq) = (next() + 0.5, next());
+                let (mut o_rows, mut o_blocks) = (vec![0f32; dv], vec![0f32; dv]);
+                // SAFETY: AVX-512 was detected; every length is dk × dv, dk or dv as both require.
+                unsafe {
+                    match dv {
+                        16 => x86::step_rows_avx512::<1>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows),
+                        32 => x86::step_rows_avx512::<2>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows),
+                        64 => x86::step_rows_avx512::<4>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows),
+                        _ => x86::step_rows_avx512::<8>(&mut rows, &q, &k, &v, &decay, beta, kq, &mut o_rows),
+                    }
+                    x86::step_avx512(&mut blocks, &q, &k, &v, &decay, beta, kq, &mut o_blocks);
+                }
+                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same(&o_rows, &o_blocks), "{dk}x{dv}, step {step}: outputs differ");
+                assert!(same(&rows, &blocks), "{dk}x{dv}, step {step}: states differ");
             }
-            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same(&o_rows, &o_blocks), "step {step}: outputs differ");
-            assert!(same(&rows, &blocks), "step {step}: states differ");
         }
     }
 }
