@@ -380,13 +380,7 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
-        let mut seed = 0x9e37_79b9u32;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
+        let mut next = crate::cpu::uniform_stream(0x9e37_79b9);
         for (dk, dv) in [(128usize, 128usize), (16, 16), (48, 32), (64, 64)] {
             let mut rows: Vec<f32> = (0..dk * dv).map(|_| next()).collect();
             let mut blocks = rows.clone();

@@ -151,13 +151,7 @@ mod tests {
     fn head_groups_do_not_change_any_bit() {
         let (heads, rank, rope, page_tokens, positions) = (6usize, 40usize, 8usize, 16usize, 45usize);
         let width = rank + rope;
-        let mut s = 9u32;
-        let mut rnd = move || {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
+        let mut rnd = crate::cpu::uniform_stream(9);
         let pages: Vec<Vec<f32>> =
             (0..positions.div_ceil(page_tokens)).map(|_| (0..page_tokens * width).map(|_| rnd()).collect()).collect();
         let cache = PagedRows { pages: pages.iter().map(|p| &p[..]).collect(), page_tokens, width };

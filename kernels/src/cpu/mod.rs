@@ -33,3 +33,14 @@ pub mod reduce;
 pub mod rope;
 pub mod simd;
 pub mod situ;
+
+/// Test inputs: a xorshift stream of values uniform in [−0.5, 0.5) from a non-zero seed.
+#[cfg(test)]
+pub(crate) fn uniform_stream(mut s: u32) -> impl FnMut() -> f32 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 17;
+        s ^= s << 5;
+        (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+    }
+}
