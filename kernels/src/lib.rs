@@ -25,7 +25,7 @@ pub use cpu::mxfp4::{quantize_row as mxfp4_quantize_row, quantize_rows as mxfp4_
 pub use cpu::bf16::Bf16Matrix;
 pub use cpu::fp8::{Fp8Matrix, f32_to_e4m3, quantize_rows as fp8_quantize_rows};
 pub use cpu::mxfp4::Mxfp4Matrix;
-pub use cpu::packed::{PackedMatrix, mxfp4_on_tiles, set_mxfp4_on_tiles};
+pub use cpu::packed::{BATCHED_TILE_TOKENS, Mxfp4Tiles, PackedMatrix, mxfp4_on_tiles, mxfp4_tiles, set_mxfp4_tiles};
 pub use cpu::packed_amx::enabled as amx_enabled;
 pub use cpu::simd::{SimdLevel, simd_level};
 

@@ -8,8 +8,9 @@ mod common;
 use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{
-    Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot, Matrix, Mxfp4Matrix,
-    PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams, amx_enabled, mxfp4_on_tiles,
+    BATCHED_TILE_TOKENS, Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot,
+    Matrix, Mxfp4Matrix, Mxfp4Tiles, PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams, amx_enabled,
+    mxfp4_on_tiles, mxfp4_tiles,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -144,19 +145,30 @@ fn matmul_rows_do_not_depend_on_the_other_tokens_of_the_call() {
     let shapes = [(37, 96), (300, 320)];
     for ((name, be), (rows, cols)) in backends().iter().flat_map(|b| shapes.iter().map(move |&s| (b, s))) {
         let w = Weights::new(&mut rng, rows, cols);
-        for (fmt, m, _) in w.formats() {
+        for (fmt, m, values) in w.formats() {
             let exact = level_exact || fmt.starts_with("packed");
             if !exact && rows > shapes[0].0 {
                 continue; // AVX2's unpacked tolerance is stated for the first shape's sums
             }
             for tokens in [2usize, 5, 8, 17, 70] {
+                // MXFP4 packed for batched tiles (`KIMI_MXFP4=batched`) runs a call of this many
+                // tokens on the tiles and one token on the registers: both within f32
+                // accumulation's bound of the exact product, not the same bits.
+                let switches = matches!(m, Matrix::Packed(p) if p.on_tiles_for(tokens) != p.on_tiles_for(1));
                 let x = randn(&mut rng, tokens * cols);
                 let mut all = vec![0f32; tokens * rows];
                 be.matmul(&m, &x, tokens, &mut all);
                 for t in 0..tokens {
                     let mut one = vec![0f32; rows];
                     be.matmul(&m, &x[t * cols..(t + 1) * cols], 1, &mut one);
-                    for (a, b) in all[t * rows..(t + 1) * rows].iter().zip(&one) {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    for (r, (a, b)) in all[t * rows..(t + 1) * rows].iter().zip(&one).enumerate() {
+                        if switches {
+                            let (w, what) = (&values[r * cols..(r + 1) * cols], format!("{name} {fmt}: token {t}"));
+                            assert_within_accumulation_bound(*a, w, xt, &format!("{what} of {tokens}, row {r}"));
+                            assert_within_accumulation_bound(*b, w, xt, &format!("{what} alone, row {r}"));
+                            continue;
+                        }
                         let tol = if exact { 0.0 } else { 1e-6 * (1.0 + b.abs()) };
                         assert!((a - b).abs() <= tol, "{name} {fmt}: token {t} of {tokens}: {a} vs {b}");
                     }
@@ -247,7 +259,7 @@ fn packed_products_are_one_fused_chain_per_output() {
             let x = randn(&mut rng, tokens * cols);
             let mut out = vec![0f32; tokens * rows];
             CpuBackend.matmul(&m, &x, tokens, &mut out);
-            let tiles = matches!(m, Matrix::Packed(p) if p.on_tiles());
+            let tiles = matches!(m, Matrix::Packed(p) if p.on_tiles_for(tokens));
             for t in 0..tokens {
                 for r in 0..rows {
                     let (w, xt) = (&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
@@ -276,7 +288,8 @@ fn packed_products_are_one_fused_chain_per_output() {
 /// MXFP4 scales at the format's edges. Rows whose exponents stay within 2^64 of each other run
 /// the register tiles in scaled coordinates, others the widened path; both must give the fused
 /// chain's bits at one token and in a batch, and a NaN scale code makes its row NaN. With
-/// `--mxfp4-tiles` only the moderate case fits the AMX tiles (scales 2..=252); there it is held to f32
+/// `--mxfp4-tiles` only the moderate case fits the AMX tiles (scales 2..=252), and by default
+/// (`Mxfp4Tiles::Batched`) its 16-token product takes them; there it is held to f32
 /// accumulation's bound instead.
 #[test]
 fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
@@ -305,9 +318,10 @@ fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
                 for r in 0..rows {
                     let want = fused_chain(&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
                     let got = out[t * rows + r];
-                    let tiles = mxfp4_on_tiles() && amx_enabled() && case == "span 64";
-                    assert_eq!(p.on_tiles(), tiles, "{case}: on the tiles");
-                    if p.on_tiles() {
+                    let batched = mxfp4_tiles() == Mxfp4Tiles::Batched && tokens >= BATCHED_TILE_TOKENS;
+                    let tiles = (mxfp4_on_tiles() || batched) && amx_enabled() && case == "span 64";
+                    assert_eq!(p.on_tiles_for(tokens), tiles, "{case}: {tokens} tokens on the tiles");
+                    if tiles {
                         let w = &values[r * cols..(r + 1) * cols];
                         let what = format!("{case}: token {t} of {tokens}, row {r}");
                         assert_within_accumulation_bound(got, w, &x[t * cols..(t + 1) * cols], &what);
@@ -346,7 +360,7 @@ fn mxfp4_on_the_tiles_keeps_f32_accuracy_and_batch_invariance() {
     scales[cols / 32 + 3] = 252;
     let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
     let values = q.to_f32();
-    let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), true).expect("packs");
+    let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Always).expect("packs");
     assert!(p.on_tiles(), "scales within 2..=252 take the tiles");
     let mut row = vec![0f32; cols];
     for r in 0..rows {
@@ -375,9 +389,50 @@ fn mxfp4_on_the_tiles_keeps_f32_accuracy_and_batch_invariance() {
     for outside in [1, 253] {
         scales[7] = outside;
         let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
-        let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), true).expect("packs");
+        let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Always).expect("packs");
         assert!(!p.on_tiles(), "scale {outside} stays off the tiles");
     }
+}
+
+/// MXFP4 packed for batched tiles (the default, `Mxfp4Tiles::Batched`): below
+/// `BATCHED_TILE_TOKENS` tokens a product is the register chains' bits; from there it widens
+/// the register layout's codes to the same weight tiles the tile layout holds, so it is the
+/// bits of `--mxfp4-tiles`' product, token for token. Skipped, saying so, without AMX.
+#[test]
+fn batched_mxfp4_tiles_widen_the_register_layout_exactly() {
+    if !amx_enabled() {
+        eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(53);
+    let (rows, cols) = (83, 352);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.random_range(0..=255u8)).collect();
+    let mut scales: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(100..=150u8)).collect();
+    (scales[0], scales[cols / 32 + 3]) = (2, 252);
+    let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
+    let batched = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Batched).expect("packs");
+    let always = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Always).expect("packs");
+    let never = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Never).expect("packs");
+    let x: Vec<f32> = randn(&mut rng, 23 * cols).iter().map(|v| v / 1024.0).collect();
+    for tokens in [1usize, BATCHED_TILE_TOKENS - 1, BATCHED_TILE_TOKENS, 11, 23] {
+        let product = |p: &PackedMatrix| {
+            let mut out = vec![0f32; tokens * rows];
+            CpuBackend.matmul(&Matrix::Packed(p), &x[..tokens * cols], tokens, &mut out);
+            out
+        };
+        let on_tiles = tokens >= BATCHED_TILE_TOKENS;
+        assert_eq!(batched.on_tiles_for(tokens), on_tiles, "{tokens} tokens");
+        let want = if on_tiles { product(&always) } else { product(&never) };
+        let got = product(&batched);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{tokens} tokens, value {i}: {g} vs {w}");
+        }
+    }
+    // A scale outside the tiles' range keeps the matrix on the registers at any count.
+    scales[7] = 253;
+    let q = Mxfp4Matrix::new(&packed, &scales, rows, cols);
+    let p = PackedMatrix::pack_with(&Matrix::Mxfp4(q), Mxfp4Tiles::Batched).expect("packs");
+    assert!(!p.on_tiles_for(23), "scale 253 stays off the tiles");
 }
 
 #[test]

@@ -330,9 +330,10 @@ pub fn bench_forward(
     let per_token = dense + (routed as f64 * routed_share(c.experts_per_token, c.num_experts, 1)) as u64;
     let first_eff = per_token as f64 * first.decode_tokens_per_s / first.batch as f64 / 1e9;
     Ok(ForwardBench {
-        simd: match (kimi_kernels::amx_enabled(), kimi_kernels::mxfp4_on_tiles()) {
-            (true, true) => "avx512f + amx-bf16 tiles (MXFP4 too)",
-            (true, false) => "avx512f + amx-bf16 tiles",
+        simd: match (kimi_kernels::amx_enabled(), kimi_kernels::mxfp4_tiles()) {
+            (true, kimi_kernels::Mxfp4Tiles::Always) => "avx512f + amx-bf16 tiles (MXFP4 too)",
+            (true, kimi_kernels::Mxfp4Tiles::Batched) => "avx512f + amx-bf16 tiles (MXFP4 from 6 tokens)",
+            (true, kimi_kernels::Mxfp4Tiles::Never) => "avx512f + amx-bf16 tiles",
             (false, _) => kimi_kernels::simd_level().name(),
         },
         threads: rayon::current_num_threads(),

@@ -189,7 +189,7 @@ impl Model {
         let ck = Checkpoint::open(dir)?;
         if fmt.mxfp4_tiles {
             // The CPU backend reads it as it lays the weights out (in `assemble`).
-            kimi_kernels::set_mxfp4_on_tiles(true);
+            kimi_kernels::set_mxfp4_tiles(kimi_kernels::Mxfp4Tiles::Always);
         }
         let mut ranks = Vec::with_capacity(n);
         let comms = ThreadComm::group(n);

@@ -12,9 +12,11 @@ pub struct CpuBackend;
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        let tiles = match (super::packed_amx::enabled(), super::packed::mxfp4_on_tiles()) {
-            (true, true) => " + AMX tiles, MXFP4 too",
-            (true, false) => " + AMX tiles",
+        use super::packed::Mxfp4Tiles;
+        let tiles = match (super::packed_amx::enabled(), super::packed::mxfp4_tiles()) {
+            (true, Mxfp4Tiles::Always) => " + AMX tiles, MXFP4 too",
+            (true, Mxfp4Tiles::Batched) => " + AMX tiles, MXFP4 from 6 tokens",
+            (true, Mxfp4Tiles::Never) => " + AMX tiles",
             (false, _) => "",
         };
         format!("cpu ({:?}{tiles}, {} threads)", super::simd::simd_level(), rayon::current_num_threads())

@@ -38,7 +38,7 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
 /// one call ([`super::packed_amx::matmul_many`]: one split of `x`, one parallel loop over all
 /// their row groups); any other runs alone. Each output is the bits [`matmul`] gives.
 pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
-    use super::packed_amx::{MANY, matmul_many as on_tiles, takes};
+    use super::packed_amx::{MANY, matmul_many as on_tiles, takes_for};
     use smallvec::SmallVec;
     assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
     let cols = ws.first().map(|w| w.cols());
@@ -46,7 +46,7 @@ pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f3
     let mut touts: SmallVec<[&mut [f32]; MANY]> = SmallVec::new();
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
         match w {
-            Matrix::Packed(p) if mats.len() < MANY && takes(p) && Some(p.cols) == cols => {
+            Matrix::Packed(p) if mats.len() < MANY && takes_for(p, tokens) && Some(p.cols) == cols => {
                 mats.push(p);
                 touts.push(&mut **out);
             }

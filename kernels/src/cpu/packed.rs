@@ -134,7 +134,10 @@ pub(crate) enum PackedData {
     /// The default even where AMX is present: at one token the register path is faster
     /// (2 threads, 512 × 1024 expert matrix streamed from memory: 16.5 µs against 23 on the
     /// tiles), at several tokens per expert the tiles are (`Mxfp4Tiles`).
-    Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool },
+    /// `batched_tiles`: packed under [`Mxfp4Tiles::Batched`] with every scale in
+    /// [`TILE_SCALES`] on a CPU with the tiles: products of [`BATCHED_TILE_TOKENS`] or more tokens
+    /// widen these codes to weight tiles (`packed_amx`).
+    Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool, batched_tiles: bool },
     /// MXFP4 for the AMX tiles (`packed_amx`), taken at load when asked ([`set_mxfp4_on_tiles`]),
     /// the tiles are on and every scale lies in [`TILE_SCALES`]. 1024 × 2048, 2 threads, streamed:
     /// 1 token 82 against 59 µs on the registers, 8 tokens 131 against 164, 64 tokens 432
@@ -165,29 +168,71 @@ fn fp8_raw(b: u8) -> f32 {
 /// group scales stays a normal float for any realistic activation (below ~2^60 · cols).
 const MAX_SCALE_SPAN: u8 = 64;
 
-/// Whether MXFP4 weights packed from now on take the AMX tile layout: unset, then the
-/// environment's `KIMI_MXFP4=tiles`, else off. See [`set_mxfp4_on_tiles`].
-static MXFP4_TILES: AtomicU8 = AtomicU8::new(0);
-
-/// Lays MXFP4 weights packed from now on out for the AMX tiles (where the CPU has them and the
-/// scales fit), or for the register-decoding products (the default). The tiles make every
-/// product with several tokens per expert faster and one token slower, for all token counts
-/// alike (a sequence's results never depend on its batch). Medium model, 2 threads: prefill
-/// +20 % (512-token prompt), batch-64 decode +13 %, batch-1 decode −5 %. `--mxfp4-tiles` sets it.
-pub fn set_mxfp4_on_tiles(on: bool) {
-    MXFP4_TILES.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+/// How MXFP4 products use the AMX tiles (where the CPU has them and a matrix's scales fit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mxfp4Tiles {
+    /// The default: every product decodes in registers, so a token's results are the same bits
+    /// in any batch.
+    Never,
+    /// Opt-in (`KIMI_MXFP4=batched`): a product of at least [`BATCHED_TILE_TOKENS`] tokens (a
+    /// batch's tokens routed to one expert, a prompt's) widens the register layout's codes to
+    /// BF16 weight tiles and runs on the tiles; fewer tokens decode in registers, faster there.
+    /// Medium model, 2 threads, against `Never` in one run: prefill 229 → 293 tokens/s,
+    /// batch-64 decode 201 → 229, batch 1 unchanged. The cost: a token's results depend on how
+    /// many others its experts see, by rounding (the paths agree to f32 accumulation accuracy).
+    /// On the MXFP4 golden that moves a sequence's logits in a mixed batch by up to 1.5e-5
+    /// against the same sequence alone, over the engine's 1e-5 batch-invariance bound, which is
+    /// why it is not the default.
+    Batched,
+    /// Always (`--mxfp4-tiles`, `KIMI_MXFP4=tiles`): the tile layout, every token count on the
+    /// tiles: bit-for-bit batch invariance with the tiles' speed at several tokens, one token
+    /// a few percent slower.
+    Always,
 }
 
-/// Whether MXFP4 weights packed now take the AMX tile layout (where the CPU has the tiles).
-pub fn mxfp4_on_tiles() -> bool {
+/// Fewest tokens a [`Mxfp4Tiles::Batched`] product runs on the tiles with: two activation
+/// tiles (1024 × 2048, 2 threads, streamed: 8 tokens take 131 µs on the tiles against 164 in
+/// registers, one token 82 against 59).
+pub const BATCHED_TILE_TOKENS: usize = 6;
+
+/// The [`Mxfp4Tiles`] mode for MXFP4 weights packed from now on: 0 unset (then the
+/// environment's `KIMI_MXFP4`), 1 never, 2 always, 3 batched.
+static MXFP4_TILES: AtomicU8 = AtomicU8::new(0);
+
+/// Sets how MXFP4 weights packed from now on use the AMX tiles (see [`Mxfp4Tiles`]). Medium
+/// model, 2 threads, against [`Mxfp4Tiles::Never`]: `Always` gives prefill +20 % (512-token
+/// prompt), batch-64 decode +13 %, batch-1 decode −5 %.
+pub fn set_mxfp4_tiles(mode: Mxfp4Tiles) {
+    let v = match mode {
+        Mxfp4Tiles::Never => 1,
+        Mxfp4Tiles::Always => 2,
+        Mxfp4Tiles::Batched => 3,
+    };
+    MXFP4_TILES.store(v, Ordering::Relaxed);
+}
+
+/// How MXFP4 weights packed now use the AMX tiles: as set, else `KIMI_MXFP4` (`tiles`,
+/// `batched`), else [`Mxfp4Tiles::Never`].
+pub fn mxfp4_tiles() -> Mxfp4Tiles {
     match MXFP4_TILES.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("KIMI_MXFP4").is_ok_and(|v| v == "tiles");
-            set_mxfp4_on_tiles(on);
-            on
+            let mode = match std::env::var("KIMI_MXFP4").as_deref() {
+                Ok("tiles") => Mxfp4Tiles::Always,
+                Ok("batched") => Mxfp4Tiles::Batched,
+                _ => Mxfp4Tiles::Never,
+            };
+            set_mxfp4_tiles(mode);
+            mode
         }
-        v => v == 2,
+        1 => Mxfp4Tiles::Never,
+        2 => Mxfp4Tiles::Always,
+        _ => Mxfp4Tiles::Batched,
     }
+}
+
+/// Whether MXFP4 weights packed now take the AMX tile layout ([`Mxfp4Tiles::Always`]).
+pub fn mxfp4_on_tiles() -> bool {
+    mxfp4_tiles() == Mxfp4Tiles::Always
 }
 
 /// E8M0 scales whose groups' values are all normal, finite BF16 numbers (the tiles read
@@ -208,12 +253,12 @@ impl PackedMatrix {
     /// Repacks a BF16 or MXFP4 matrix; `None` for a format kept as stored (F32) or an empty one.
     /// MXFP4 takes the AMX tile layout where [`mxfp4_on_tiles`] asks for it.
     pub fn pack(m: &Matrix<'_>) -> Option<PackedMatrix> {
-        PackedMatrix::pack_with(m, mxfp4_on_tiles())
+        PackedMatrix::pack_with(m, mxfp4_tiles())
     }
 
-    /// [`PackedMatrix::pack`], MXFP4 on the AMX tiles when `mxfp4_tiles` (and the CPU has them,
-    /// and every scale fits [`TILE_SCALES`]).
-    pub fn pack_with(m: &Matrix<'_>, mxfp4_tiles: bool) -> Option<PackedMatrix> {
+    /// [`PackedMatrix::pack`], MXFP4 on the AMX tiles as `mxfp4_tiles` says (where the CPU has
+    /// them and every scale fits [`TILE_SCALES`]).
+    pub fn pack_with(m: &Matrix<'_>, mxfp4_tiles: Mxfp4Tiles) -> Option<PackedMatrix> {
         let (rows, cols) = (m.rows(), m.cols());
         if rows == 0 || cols == 0 {
             // An empty shard (a rank with no rows of a small dimension): nothing to lay out.
@@ -253,10 +298,10 @@ impl PackedMatrix {
                         }
                     },
                 );
-                let on_tiles = mxfp4_tiles
+                let tiles_fit = mxfp4_tiles != Mxfp4Tiles::Never
                     && super::packed_amx::enabled()
                     && (0..rows).into_par_iter().all(|r| mxfp4_row(q, r).1.iter().all(|s| TILE_SCALES.contains(s)));
-                if on_tiles {
+                if tiles_fit && mxfp4_tiles == Mxfp4Tiles::Always {
                     // The same codes, moved to the tile layout.
                     let mut codes = AlignedVec::<u8>::zeroed(nibbles.len());
                     let nibble = |b: u8, odd: usize| if odd == 1 { b >> 4 } else { b & 15 };
@@ -281,7 +326,7 @@ impl PackedMatrix {
                     let (lo, hi) = codes.fold((u8::MAX, 0u8), |(lo, hi), b| (lo.min(b), hi.max(b)));
                     hi.saturating_sub(lo) <= MAX_SCALE_SPAN
                 });
-                PackedData::Mxfp4 { nibbles, scales, scaled_chain }
+                PackedData::Mxfp4 { nibbles, scales, scaled_chain, batched_tiles: tiles_fit }
             }
             Matrix::Fp8(f) => {
                 let mut codes = AlignedVec::<u8>::zeroed(panels * pairs * PANEL * 2);
@@ -318,9 +363,17 @@ impl PackedMatrix {
         }
     }
 
-    /// Whether products over this matrix run on AMX tiles (`packed_amx`) on this machine.
+    /// Whether products over this matrix run on AMX tiles (`packed_amx`) on this machine, at
+    /// every token count.
     pub fn on_tiles(&self) -> bool {
         super::packed_amx::takes(self)
+    }
+
+    /// Whether a product of `tokens` tokens over this matrix runs on AMX tiles: as
+    /// [`PackedMatrix::on_tiles`], or MXFP4 under [`Mxfp4Tiles::Batched`] from
+    /// [`BATCHED_TILE_TOKENS`] tokens.
+    pub fn on_tiles_for(&self, tokens: usize) -> bool {
+        super::packed_amx::takes_for(self, tokens)
     }
 
     /// Bytes held (the stored weight's size, padded to whole panels).
@@ -427,7 +480,7 @@ fn fp8_token_codes_scalar(row: &[f32], out: &mut [f32]) -> f32 {
 
 /// The chains of [`matmul`] over `x` as given.
 fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
-    if super::packed_amx::takes(w) {
+    if super::packed_amx::takes_for(w, tokens) {
         return super::packed_amx::matmul(w, x, tokens, out);
     }
     let (rows, cols) = (w.rows, w.cols);

@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use super::aligned::AlignedVec;
 use super::disjoint::DisjointOut;
 use super::kept::KeptBuffers;
-use super::packed::{PANEL, PackedData, PackedMatrix, TILE_PAIRS};
+use super::packed::{BATCHED_TILE_TOKENS, PANEL, PackedData, PackedMatrix, TILE_PAIRS};
 
 /// Tokens in one activation tile: three rows each (h, m, l), at most 16 rows.
 const TILE_TOKENS: usize = 5;
@@ -81,6 +81,16 @@ pub fn takes(w: &PackedMatrix) -> bool {
     matches!(w.data, PackedData::Bf16(_) | PackedData::Mxfp4Tiles { .. }) && enabled()
 }
 
+/// Whether a product of `tokens` tokens over `w` runs on the tiles: every product over a matrix
+/// [`takes`] does, and one over MXFP4 packed for batched tiles does from
+/// [`BATCHED_TILE_TOKENS`] tokens (`Mxfp4Tiles::Batched`).
+pub fn takes_for(w: &PackedMatrix, tokens: usize) -> bool {
+    match w.data {
+        PackedData::Mxfp4 { batched_tiles, .. } => batched_tiles && tokens >= BATCHED_TILE_TOKENS && enabled(),
+        _ => takes(w),
+    }
+}
+
 thread_local! {
     /// The calling thread's split activations, `[token tile][block][16 rows][32]` BF16.
     static SPLIT: KeptBuffers<AlignedVec<u16>> = const { KeptBuffers::new() };
@@ -107,7 +117,7 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&
     let mut ptrs = [None; MANY];
     let mut work = 0usize;
     for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-        assert!(takes(w), "packed_amx::matmul on a matrix it does not take");
+        assert!(takes_for(w, tokens), "packed_amx::matmul on a matrix it does not take");
         assert_eq!(w.cols, cols, "amx matmul_many: matrix {i} has {} columns, the first {cols}", w.cols);
         assert_eq!(out.len(), tokens * w.rows, "amx matmul: out has {} values, want {tokens}×{}", out.len(), w.rows);
         starts[i + 1] = starts[i] + w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
@@ -420,9 +430,28 @@ mod x86 {
                         WIDE_TILES.with(|w| w.give(wide));
                     }
                 }
-                PackedData::Mxfp4 { .. } | PackedData::Fp8 { .. } => {
-                    unreachable!("only BF16 and MXFP4-tile matrices are taken")
+                PackedData::Mxfp4 { nibbles, scales, .. } => {
+                    // Batched tiles (several token tiles, see `takes_for`): the task's panels
+                    // are widened once from the register layout, then multiplied as BF16
+                    // panels are. The same weight tiles as the tile layout's, so the same bits.
+                    let (pairs, groups) = (w.pairs(), cols / TILE_COLS);
+                    let code_at =
+                        |i: usize, b: usize| nibbles.as_ptr().add(((p0 + i) * pairs + b * TILE_PAIRS) * PANEL);
+                    let scale_at = |i: usize, b: usize| scales.as_ptr().add(((p0 + i) * groups + b) * PANEL);
+                    let lut = _mm512_loadu_si512(MXFP4_TILE_LUT.0.as_ptr() as *const __m512i);
+                    let mut wide = WIDE_TILES.with(KeptBuffers::take);
+                    wide.reserve_len(np * blocks * TILE_WORDS);
+                    let base = wide.as_mut_ptr();
+                    for b in 0..blocks {
+                        let dst_at = |i: usize| base.add((i * blocks + b) * TILE_WORDS);
+                        widen_mxfp4_register_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, &dst_at);
+                    }
+                    let base = wide.as_ptr();
+                    let b_at = |i: usize, b: usize| base.add((i * blocks + b) * TILE_WORDS);
+                    blocks_2x2(tiles, np, blocks, a_at, b_at, &mut finish);
+                    WIDE_TILES.with(|w| w.give(wide));
                 }
+                PackedData::Fp8 { .. } => unreachable!("FP8 matrices never run on the tiles"),
             }
             release();
         }
@@ -497,6 +526,61 @@ mod x86 {
                     let dst = dst_at(i);
                     _mm512_storeu_si512(dst.add(2 * c * TILE_COLS) as *mut __m512i, low);
                     _mm512_storeu_si512(dst.add((2 * c + 1) * TILE_COLS) as *mut __m512i, high);
+                }
+            }
+        }
+    }
+
+    /// [`widen_mxfp4_blocks`] from the register layout (`PackedData::Mxfp4`): block `b` of a
+    /// panel is 16 column pairs × 16 rows of bytes (pair-major, 256 bytes), each byte holding a
+    /// row's even column in its low nibble and its odd column in its high one. Per two pairs:
+    /// the 32 bytes widen to words, their low and high nibbles interleave into the two tile rows
+    /// (`vpermt2w`), and each row takes the lookup and the scale as in the tile layout.
+    ///
+    /// SAFETY (caller): as [`widen_mxfp4_blocks`].
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn widen_mxfp4_register_blocks(
+        np: usize,
+        code_at: &dyn Fn(usize) -> *const u8,
+        scale_at: &dyn Fn(usize) -> *const u8,
+        lut: __m512i,
+        dst_at: &dyn Fn(usize) -> *mut u16,
+    ) {
+        // Lane l of a tile row: row l / 2's low nibble (even l) or high nibble (odd l); index bit
+        // 5 picks the high-nibble source. The second row of a pair of pairs reads words 16..32.
+        const fn interleave(first: u16) -> [u16; 32] {
+            let mut idx = [0u16; 32];
+            let mut l = 0;
+            while l < 32 {
+                idx[l] = first + (l / 2) as u16 + if l % 2 == 1 { 32 } else { 0 };
+                l += 1;
+            }
+            idx
+        }
+        static ROWS: [[u16; 32]; 2] = [interleave(0), interleave(16)];
+        // SAFETY: the reads and writes stay inside the ranges the caller gives.
+        unsafe {
+            let even = _mm512_loadu_si512(ROWS[0].as_ptr() as *const __m512i);
+            let odd = _mm512_loadu_si512(ROWS[1].as_ptr() as *const __m512i);
+            let low_bits = _mm512_set1_epi16(15);
+            let mut down = [_mm512_setzero_si512(); GROUP_PANELS];
+            for (i, d) in down.iter_mut().enumerate().take(np) {
+                let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(scale_at(i) as *const __m128i));
+                let s = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
+                *d = _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(253), s));
+            }
+            for c in 0..TILE_PAIRS / 2 {
+                for (i, &d) in down.iter().enumerate().take(np) {
+                    let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(code_at(i).add(32 * c) as *const __m256i));
+                    let (lo, hi) = (_mm512_and_si512(w, low_bits), _mm512_srli_epi16::<4>(w));
+                    let first = _mm512_permutex2var_epi16(lo, even, hi);
+                    let second = _mm512_permutex2var_epi16(lo, odd, hi);
+                    let first = _mm512_subs_epu16(_mm512_permutexvar_epi16(first, lut), d);
+                    let second = _mm512_subs_epu16(_mm512_permutexvar_epi16(second, lut), d);
+                    let dst = dst_at(i);
+                    _mm512_storeu_si512(dst.add(2 * c * TILE_COLS) as *mut __m512i, first);
+                    _mm512_storeu_si512(dst.add((2 * c + 1) * TILE_COLS) as *mut __m512i, second);
                 }
             }
         }
