@@ -338,13 +338,18 @@ pub trait Backend: Send + Sync {
     /// Routed experts (grouped: each expert's weights read once for all the tokens routed to
     /// it): `out[t] = Σ_j weights[t, j] · expert_{ids[t, j]}(z[t])`, summed in expert-id order.
     /// `experts` holds experts `first..first + experts.len()` (all of them, or one rank's under
-    /// expert parallelism); choices of other experts contribute nothing here.
+    /// expert parallelism); choices of other experts contribute nothing here. `spans` say which
+    /// sequence each token belongs to (a token in none is a sequence of its own): a backend may
+    /// compute a sequence's several tokens at one expert another way (the CPU's AMX tiles), but
+    /// a token's result must depend only on its own sequence's tokens.
+    #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
         experts: &[ExpertMatrices<'_>],
         first: usize,
         routing: &Routing,
         z: &[f32],
+        spans: &[SeqSpan],
         act: SituParams,
         out: &mut [f32],
     );

@@ -103,7 +103,7 @@ fn moe_allocations(experts: usize) -> usize {
     let z = values(tokens * lat, 7);
     let mut out = vec![0f32; tokens * lat];
     let act = SituParams { beta: 4.0, linear_beta: Some(25.0) };
-    allocations_of(|| CpuBackend.moe_experts(&mats, 0, &routing, &z, act, &mut out))
+    allocations_of(|| CpuBackend.moe_experts(&mats, 0, &routing, &z, &[], act, &mut out))
 }
 
 #[test]

@@ -9,7 +9,7 @@ use kimi_kernels::cpu::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kimi_kernels::cpu::mxfp4::quantize_rows;
 use kimi_kernels::{
     BATCHED_TILE_TOKENS, Backend, Bf16Matrix, CpuBackend, ExpertMatrices, F32Matrix, KdaInputs, KdaParams, KdaSlot,
-    Matrix, Mxfp4Matrix, Mxfp4Tiles, PackedMatrix, PagedRows, RouterParams, SeqSpan, SituParams, amx_enabled,
+    Matrix, Mxfp4Matrix, Mxfp4Tiles, PackedMatrix, PagedRows, RouterParams, Routing, SeqSpan, SituParams, amx_enabled,
     mxfp4_on_tiles, mxfp4_tiles,
 };
 use rand::rngs::StdRng;
@@ -902,7 +902,7 @@ fn moe_route_and_grouped_experts_match_reference() {
         let act = SituParams { beta: 4.0, linear_beta: Some(25.0) };
         let zin = randn(&mut rng, tokens * lat);
         let mut out = vec![0f32; tokens * lat];
-        be.moe_experts(&experts, 0, &routing, &zin, act, &mut out);
+        be.moe_experts(&experts, 0, &routing, &zin, &[], act, &mut out);
         let mut want = vec![0f64; tokens * lat];
         for t in 0..tokens {
             for j in 0..top_k {
@@ -929,7 +929,7 @@ fn moe_route_and_grouped_experts_match_reference() {
         let mut sum = vec![0f32; out.len()];
         for (first, part) in [(0, &experts[..cut]), (cut, &experts[cut..2 * cut]), (2 * cut, &experts[2 * cut..])] {
             let mut y = vec![1f32; out.len()];
-            be.moe_experts(part, first, &routing, &zin, act, &mut y);
+            be.moe_experts(part, first, &routing, &zin, &[], act, &mut y);
             sum.iter_mut().zip(&y).for_each(|(s, y)| *s += y);
         }
         assert_close(&sum, &want, 1e-4, &format!("{name} moe_experts split over 3 expert ranges"));
@@ -1106,4 +1106,93 @@ fn vision_ops_gelu_rope_table_and_varlen_attention_match_reference() {
         }
         assert_close(&out, &want, 1e-5, &format!("{name} attention_varlen"));
     }
+}
+
+/// Routed MXFP4 experts under the default `Mxfp4Tiles::PerSequence`: a sequence that brings
+/// `BATCHED_TILE_TOKENS` or more tokens to an expert runs them on the AMX tiles, every other
+/// token (one-token decodes, however many share the expert) on the registers. So a sequence's
+/// outputs are the same bits in a mixed batch as alone, the decodes are the register path's
+/// bits, and the prompt's stay within f32 accumulation accuracy of them (not the same bits:
+/// the tiles were taken). Skipped, saying so, without AMX.
+#[test]
+fn a_sequences_run_of_tokens_takes_the_tiles_and_stays_batch_invariant() {
+    if !amx_enabled() {
+        eprintln!("skipped: this CPU has no AMX tiles (or KIMI_SIMD caps them)");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(61);
+    let (experts, top_k, lat, inter) = (4, 2, 64, 96);
+    let stores: Vec<[(Vec<u8>, Vec<u8>); 3]> = (0..experts)
+        .map(|_| {
+            [
+                quantize_rows(&randn(&mut rng, inter * lat), inter, lat),
+                quantize_rows(&randn(&mut rng, lat * inter), lat, inter),
+                quantize_rows(&randn(&mut rng, inter * lat), inter, lat),
+            ]
+        })
+        .collect();
+    let pack = |mode: Mxfp4Tiles| -> Vec<[PackedMatrix; 3]> {
+        stores
+            .iter()
+            .map(|[w1, w2, w3]| {
+                let p = |(codes, scales): &(Vec<u8>, Vec<u8>), rows, cols| {
+                    let m = Matrix::Mxfp4(Mxfp4Matrix::new(codes, scales, rows, cols));
+                    PackedMatrix::pack_with(&m, mode).expect("packs")
+                };
+                [p(w1, inter, lat), p(w2, lat, inter), p(w3, inter, lat)]
+            })
+            .collect()
+    };
+    let (runs, registers) = (pack(Mxfp4Tiles::PerSequence), pack(Mxfp4Tiles::Never));
+    assert!(runs[0][0].takes_sequence_runs(), "scales within 2..=252 pack for the tiles");
+    fn mats(ps: &[[PackedMatrix; 3]]) -> Vec<ExpertMatrices<'_>> {
+        ps.iter()
+            .map(|[w1, w2, w3]| ExpertMatrices {
+                w1: Matrix::Packed(w1),
+                w2: Matrix::Packed(w2),
+                w3: Matrix::Packed(w3),
+            })
+            .collect()
+    }
+    // A 12-token prompt chunk (experts 0 and 1: a run of 12 each) and eight one-token decodes
+    // (experts 2 and 3: eight tokens each, none of them a run).
+    let (prompt, decodes) = (12usize, 8usize);
+    let tokens = prompt + decodes;
+    let ids: Vec<usize> = (0..tokens).flat_map(|t| if t < prompt { [0, 1] } else { [2, 3] }).collect();
+    let weights: Vec<f32> = (0..tokens * top_k).map(|i| 0.25 + 0.01 * i as f32).collect();
+    let routing = |range: std::ops::Range<usize>| Routing {
+        ids: ids[range.start * top_k..range.end * top_k].to_vec(),
+        weights: weights[range.start * top_k..range.end * top_k].to_vec(),
+        scores: Vec::new(),
+        margins: vec![0.0; range.len()],
+        top_k,
+    };
+    let z = randn(&mut rng, tokens * lat);
+    let mut spans = vec![SeqSpan { start: 0, len: prompt, pos: 0 }];
+    spans.extend((0..decodes).map(|i| SeqSpan { start: prompt + i, len: 1, pos: 40 }));
+    let act = SituParams { beta: 4.0, linear_beta: Some(25.0) };
+    let run = |ps: &[[PackedMatrix; 3]], range: std::ops::Range<usize>, spans: &[SeqSpan]| {
+        let mut out = vec![0f32; range.len() * lat];
+        let z = &z[range.start * lat..range.end * lat];
+        CpuBackend.moe_experts(&mats(ps), 0, &routing(range), z, spans, act, &mut out);
+        out
+    };
+    let batch = run(&runs, 0..tokens, &spans);
+    let prompt_alone = run(&runs, 0..prompt, &spans[..1]);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&batch[..prompt * lat]), bits(&prompt_alone), "the prompt chunk alone and in the batch");
+    let on_registers = run(&registers, 0..tokens, &spans);
+    assert_eq!(bits(&batch[prompt * lat..]), bits(&on_registers[prompt * lat..]), "decodes stay on the registers");
+    for t in prompt..tokens {
+        let one = run(&runs, t..t + 1, &[SeqSpan { start: 0, len: 1, pos: 40 }]);
+        assert_eq!(bits(&batch[t * lat..(t + 1) * lat]), bits(&one), "decode token {t} alone and in the batch");
+    }
+    let mut moved = 0;
+    for (i, (a, b)) in batch[..prompt * lat].iter().zip(&on_registers).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "prompt value {i}: tiles {a} vs registers {b}");
+        moved += usize::from(a.to_bits() != b.to_bits());
+    }
+    assert!(moved > 0, "the prompt's runs took the tiles (some value rounds differently)");
+    // Without spans every token is a sequence of its own: all of them on the registers.
+    assert_eq!(bits(&run(&runs, 0..tokens, &[])), bits(&on_registers), "no spans: no runs");
 }

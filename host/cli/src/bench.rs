@@ -333,6 +333,9 @@ pub fn bench_forward(
         simd: match (kimi_kernels::amx_enabled(), kimi_kernels::mxfp4_tiles()) {
             (true, kimi_kernels::Mxfp4Tiles::Always) => "avx512f + amx-bf16 tiles (MXFP4 too)",
             (true, kimi_kernels::Mxfp4Tiles::Batched) => "avx512f + amx-bf16 tiles (MXFP4 from 6 tokens)",
+            (true, kimi_kernels::Mxfp4Tiles::PerSequence) => {
+                "avx512f + amx-bf16 tiles (MXFP4 for a sequence's 6+ tokens)"
+            }
             (true, kimi_kernels::Mxfp4Tiles::Never) => "avx512f + amx-bf16 tiles",
             (false, _) => kimi_kernels::simd_level().name(),
         },

@@ -809,7 +809,7 @@ impl Model {
                     f
                 }
                 Ffn::Moe(moe) => {
-                    let (y, r) = moe.forward(be, sc, comm, &f_in, tokens, self.situ);
+                    let (y, r) = moe.forward(be, sc, comm, &f_in, tokens, &layout.spans, self.situ);
                     if let Some(tr) = tr.as_deref_mut() {
                         let e = r.scores.len() / tokens;
                         tr.i64(

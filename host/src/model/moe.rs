@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use kimi_kernels::{Backend, Communicator, ExpertMatrices, RouterParams, SituParams};
+use kimi_kernels::{Backend, Communicator, ExpertMatrices, RouterParams, SeqSpan, SituParams};
 
 pub use kimi_kernels::Routing;
 
@@ -130,6 +130,9 @@ impl MoeLayer {
     /// rank's rows of the up-projection then go into its shared experts' partial output, so one
     /// more all-reduce of `[tokens, d]` completes the layer (two per MoE layer, as ATOM's, with
     /// the up-projection split instead of replicated). Returns the whole output on every rank.
+    /// `spans`: the step's sequences (`moe_experts` may run a sequence's several tokens at one
+    /// expert on other kernels).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward<'s>(
         &self,
         be: &dyn Backend,
@@ -137,6 +140,7 @@ impl MoeLayer {
         comm: &dyn Communicator,
         x: &[f32],
         tokens: usize,
+        spans: &[SeqSpan],
         act: SituParams,
     ) -> (Buf<'s>, Routing) {
         // Every projection of x in one op: router, latent down-projection, and the shared
@@ -167,7 +171,7 @@ impl MoeLayer {
                 .iter()
                 .map(|e| ExpertMatrices { w1: e.w1.for_matmul(), w2: e.w2.for_matmul(), w3: e.w3.for_matmul() })
                 .collect();
-            be.moe_experts(&experts, self.first_expert, &routing, &z, act, &mut y_lat);
+            be.moe_experts(&experts, self.first_expert, &routing, &z, spans, act, &mut y_lat);
         }
         if comm.size() > 1 {
             comm.all_reduce_sum(&mut y_lat);

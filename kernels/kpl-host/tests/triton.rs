@@ -779,8 +779,8 @@ fn gpu_backend_moe_experts_match_the_cpu_backend_in_the_interpreter() {
     let act = SituParams { beta: 1.0, linear_beta: Some(0.5) };
     for (first, local) in [(0usize, 0..n_exp), (1, 1..3)] {
         let (mut want, mut got) = (vec![0f32; tokens * lat], vec![f32::NAN; tokens * lat]);
-        CpuBackend.moe_experts(&experts[local.clone()], first, &routing, &z, act, &mut want);
-        be.moe_experts(&experts[local.clone()], first, &routing, &z, act, &mut got);
+        CpuBackend.moe_experts(&experts[local.clone()], first, &routing, &z, &[], act, &mut want);
+        be.moe_experts(&experts[local.clone()], first, &routing, &z, &[], act, &mut got);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "experts {local:?} [{i}]: {g} vs {w}");
         }

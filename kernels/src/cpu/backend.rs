@@ -16,6 +16,7 @@ impl Backend for CpuBackend {
         let tiles = match (super::packed_amx::enabled(), super::packed::mxfp4_tiles()) {
             (true, Mxfp4Tiles::Always) => " + AMX tiles, MXFP4 too",
             (true, Mxfp4Tiles::Batched) => " + AMX tiles, MXFP4 from 6 tokens",
+            (true, Mxfp4Tiles::PerSequence) => " + AMX tiles, MXFP4 for a sequence's 6+ tokens",
             (true, Mxfp4Tiles::Never) => " + AMX tiles",
             (false, _) => "",
         };
@@ -192,9 +193,10 @@ impl Backend for CpuBackend {
         first: usize,
         routing: &Routing,
         z: &[f32],
+        spans: &[SeqSpan],
         act: SituParams,
         out: &mut [f32],
     ) {
-        super::moe::moe_experts(experts, first, routing, z, act, out)
+        super::moe::moe_experts(experts, first, routing, z, spans, act, out)
     }
 }

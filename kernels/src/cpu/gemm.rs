@@ -38,7 +38,27 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
 /// one call ([`super::packed_amx::matmul_many`]: one split of `x`, one parallel loop over all
 /// their row groups); any other runs alone. Each output is the bits [`matmul`] gives.
 pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
-    use super::packed_amx::{MANY, matmul_many as on_tiles, takes_for};
+    matmul_many_where(ws, x, tokens, outs, |p| super::packed_amx::takes_for(p, tokens))
+}
+
+/// [`matmul_many`] over tokens that are runs of one sequence each, [`BATCHED_TILE_TOKENS`] or more
+/// of a sequence's tokens (`Mxfp4Tiles::PerSequence`, see `moe_experts`): matrices packed for
+/// that take the AMX tiles whatever the count; the rest run as in [`matmul_many`].
+///
+/// [`BATCHED_TILE_TOKENS`]: super::packed::BATCHED_TILE_TOKENS
+pub fn matmul_many_runs(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+    matmul_many_where(ws, x, tokens, outs, |p| super::packed_amx::takes_for(p, tokens) || p.takes_sequence_runs())
+}
+
+/// [`matmul_many`] with the packed matrices `tiles` picks on the AMX tiles.
+fn matmul_many_where(
+    ws: &[Matrix],
+    x: &[f32],
+    tokens: usize,
+    outs: &mut [&mut [f32]],
+    tiles: impl Fn(&super::packed::PackedMatrix) -> bool,
+) {
+    use super::packed_amx::{MANY, matmul_many as on_tiles};
     use smallvec::SmallVec;
     assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
     let cols = ws.first().map(|w| w.cols());
@@ -46,7 +66,7 @@ pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f3
     let mut touts: SmallVec<[&mut [f32]; MANY]> = SmallVec::new();
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
         match w {
-            Matrix::Packed(p) if mats.len() < MANY && takes_for(p, tokens) && Some(p.cols) == cols => {
+            Matrix::Packed(p) if mats.len() < MANY && tiles(p) && Some(p.cols) == cols => {
                 mats.push(p);
                 touts.push(&mut **out);
             }

@@ -4,8 +4,10 @@ use rayon::prelude::*;
 
 use super::elementwise::sigmoid;
 use super::kept::KeptBuffers;
+use super::packed::BATCHED_TILE_TOKENS;
 use super::simd::axpy;
-use crate::backend::{ExpertMatrices, RouterParams, Routing, SituParams};
+use crate::Matrix;
+use crate::backend::{ExpertMatrices, RouterParams, Routing, SeqSpan, SituParams};
 
 /// Sigmoid scores; selection by score + bias (ties to the lower id); weights from the unbiased
 /// scores, renormalised over the chosen experts when asked, times the scaling factor.
@@ -41,6 +43,11 @@ pub fn moe_route(logits: &[f32], tokens: usize, p: &RouterParams<'_>) -> Routing
 /// Tokens grouped by expert so each expert's weights are read once per step; one rayon job per
 /// active expert; the weighted sum runs in expert-id order so results do not depend on threading.
 ///
+/// Where one sequence (of `spans`) brings [`BATCHED_TILE_TOKENS`] or more tokens to an expert
+/// packed for it (`Mxfp4Tiles::PerSequence`), those tokens run as one group on the AMX tiles
+/// and the expert's other tokens in registers: a token's path depends on its own sequence's
+/// tokens only, so a sequence's results do not depend on its batch.
+///
 /// A call makes a fixed handful of allocations whatever the expert count: the grouping is a
 /// counting sort into flat arrays, every expert's outputs share one buffer, and each job's
 /// inputs and activations come from buffers kept per thread.
@@ -49,6 +56,7 @@ pub fn moe_experts(
     first: usize,
     routing: &Routing,
     z: &[f32],
+    spans: &[SeqSpan],
     act: SituParams,
     out: &mut [f32],
 ) {
@@ -76,6 +84,39 @@ pub fn moe_experts(
         if let Some(e) = local(k) {
             rows[next[e]] = (k / routing.top_k, routing.weights[k]);
             next[e] += 1;
+        }
+    }
+    // tiled[e]: expert e's rows that are sequences' runs for the tiles, moved to the front of its
+    // rows (each part keeps token order).
+    let mut tiled = vec![0usize; experts.len()];
+    let runs = |ex: &ExpertMatrices<'_>| matches!(ex.w1, Matrix::Packed(p) if p.takes_sequence_runs());
+    if experts.iter().any(runs) {
+        // A token outside every span is a sequence of its own.
+        let mut seq: Vec<usize> = (0..tokens).map(|t| spans.len() + t).collect();
+        for (s, span) in spans.iter().enumerate() {
+            for t in span.rows().filter(|&t| t < tokens) {
+                seq[t] = s;
+            }
+        }
+        let most = (0..experts.len()).map(|e| starts[e + 1] - starts[e]).max().unwrap_or(0);
+        let mut others = Vec::with_capacity(most);
+        for e in (0..experts.len()).filter(|&e| runs(&experts[e])) {
+            let mine = &mut rows[starts[e]..starts[e + 1]];
+            others.clear();
+            let (mut kept, mut i) = (0, 0);
+            while i < mine.len() {
+                // A sequence's tokens are contiguous in the batch, so its rows here are a run.
+                let run = mine[i..].iter().take_while(|&&(t, _)| seq[t] == seq[mine[i].0]).count();
+                if run >= BATCHED_TILE_TOKENS {
+                    mine.copy_within(i..i + run, kept);
+                    kept += run;
+                } else {
+                    others.extend_from_slice(&mine[i..i + run]);
+                }
+                i += run;
+            }
+            mine[kept..].copy_from_slice(&others);
+            tiled[e] = kept;
         }
     }
     // Each active expert's output rows, in one buffer split into disjoint parts (every value is
@@ -110,9 +151,27 @@ pub fn moe_experts(
         }
         a.resize(n * inter, 0.0);
         u.resize(n * inter, 0.0);
-        super::gemm::matmul_many(&[ex.w1, ex.w3], zin, n, &mut [&mut a[..n * inter], &mut u[..n * inter]]);
-        super::situ::situ_rows(&mut a[..n * inter], &u[..n * inter], act.beta, act.linear_beta);
-        super::gemm::matmul(&ex.w2, &a[..n * inter], n, y);
+        // Rows ..k are sequences' runs for the tiles, rows k.. the rest.
+        let k = tiled[e];
+        let (a, u) = (&mut a[..n * inter], &mut u[..n * inter]);
+        {
+            let (a_runs, a_rest) = a.split_at_mut(k * inter);
+            let (u_runs, u_rest) = u.split_at_mut(k * inter);
+            if k > 0 {
+                super::gemm::matmul_many_runs(&[ex.w1, ex.w3], &zin[..k * lat], k, &mut [a_runs, u_runs]);
+            }
+            if n > k {
+                super::gemm::matmul_many(&[ex.w1, ex.w3], &zin[k * lat..], n - k, &mut [a_rest, u_rest]);
+            }
+        }
+        super::situ::situ_rows(a, u, act.beta, act.linear_beta);
+        let (y_runs, y_rest) = y.split_at_mut(k * lat);
+        if k > 0 {
+            super::gemm::matmul_many_runs(&[ex.w2], &a[..k * inter], k, &mut [y_runs]);
+        }
+        if n > k {
+            super::gemm::matmul(&ex.w2, &a[k * inter..], n - k, y_rest);
+        }
         EXPERT_BUFS.with(|b| b.give(bufs));
     });
     // Each token's weighted sum, in expert-id order (rows are grouped by ascending expert), the

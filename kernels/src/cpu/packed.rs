@@ -134,10 +134,10 @@ pub(crate) enum PackedData {
     /// The default even where AMX is present: at one token the register path is faster
     /// (2 threads, 512 × 1024 expert matrix streamed from memory: 16.5 µs against 23 on the
     /// tiles), at several tokens per expert the tiles are (`Mxfp4Tiles`).
-    /// `batched_tiles`: packed under [`Mxfp4Tiles::Batched`] with every scale in
-    /// [`TILE_SCALES`] on a CPU with the tiles: products of [`BATCHED_TILE_TOKENS`] or more tokens
-    /// widen these codes to weight tiles (`packed_amx`).
-    Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool, batched_tiles: bool },
+    /// `tile_rule`: which products widen these codes to weight tiles (`packed_amx`): the mode
+    /// it was packed under ([`Mxfp4Tiles::PerSequence`] or [`Mxfp4Tiles::Batched`]) where every
+    /// scale lies in [`TILE_SCALES`] on a CPU with the tiles, else [`Mxfp4Tiles::Never`].
+    Mxfp4 { nibbles: AlignedVec<u8>, scales: Vec<u8>, scaled_chain: bool, tile_rule: Mxfp4Tiles },
     /// MXFP4 for the AMX tiles (`packed_amx`), taken at load when asked ([`set_mxfp4_on_tiles`]),
     /// the tiles are on and every scale lies in [`TILE_SCALES`]. 1024 × 2048, 2 threads, streamed:
     /// 1 token 82 against 59 µs on the registers, 8 tokens 131 against 164, 64 tokens 432
@@ -171,15 +171,23 @@ const MAX_SCALE_SPAN: u8 = 64;
 /// How MXFP4 products use the AMX tiles (where the CPU has them and a matrix's scales fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mxfp4Tiles {
-    /// The default: every product decodes in registers, so a token's results are the same bits
-    /// in any batch.
+    /// Every product decodes in registers (`KIMI_MXFP4=registers`).
     Never,
-    /// Opt-in (`KIMI_MXFP4=batched`): a product of at least [`BATCHED_TILE_TOKENS`] tokens (a
-    /// batch's tokens routed to one expert, a prompt's) widens the register layout's codes to
-    /// BF16 weight tiles and runs on the tiles; fewer tokens decode in registers, faster there.
-    /// Medium model, 2 threads, against `Never` in one run: prefill 229 → 293 tokens/s,
-    /// batch-64 decode 201 → 229, batch 1 unchanged. The cost: a token's results depend on how
-    /// many others its experts see, by rounding (the paths agree to f32 accumulation accuracy).
+    /// The default: where one sequence brings at least [`BATCHED_TILE_TOKENS`] tokens to one
+    /// expert in a step (a prompt chunk, a long speculative verify), the routed experts run
+    /// those tokens on the tiles, the register layout's codes widened to BF16 weight tiles;
+    /// every other token decodes in registers. Which path a token takes depends only on its own
+    /// sequence's tokens in the step, and each path computes a token from its own row alone, so
+    /// a sequence's results are the same bits in any batch (for the same chunks). Medium model,
+    /// 2 threads, one run against `Never`: prefill (128-token prompt) 229 → 293 tokens/s
+    /// (measured as `Batched`, which routes a lone prompt's tokens the same way); decode, one
+    /// token per sequence, unchanged.
+    PerSequence,
+    /// Opt-in (`KIMI_MXFP4=batched`): any product of at least [`BATCHED_TILE_TOKENS`] tokens
+    /// (the tokens of all sequences routed to one expert) runs on the tiles as `PerSequence`
+    /// runs a sequence's. Medium model, 2 threads, one run against `Never`: batch-64 decode
+    /// 201 → 229 tokens/s, batch 1 unchanged. The cost: a token's results depend on how many
+    /// others its experts see, by rounding (the paths agree to f32 accumulation accuracy).
     /// On the MXFP4 golden that moves a sequence's logits in a mixed batch by up to 1.5e-5
     /// against the same sequence alone, over the engine's 1e-5 batch-invariance bound, which is
     /// why it is not the default.
@@ -196,7 +204,7 @@ pub enum Mxfp4Tiles {
 pub const BATCHED_TILE_TOKENS: usize = 6;
 
 /// The [`Mxfp4Tiles`] mode for MXFP4 weights packed from now on: 0 unset (then the
-/// environment's `KIMI_MXFP4`), 1 never, 2 always, 3 batched.
+/// environment's `KIMI_MXFP4`), 1 never, 2 always, 3 batched, 4 per sequence.
 static MXFP4_TILES: AtomicU8 = AtomicU8::new(0);
 
 /// Sets how MXFP4 weights packed from now on use the AMX tiles (see [`Mxfp4Tiles`]). Medium
@@ -207,26 +215,29 @@ pub fn set_mxfp4_tiles(mode: Mxfp4Tiles) {
         Mxfp4Tiles::Never => 1,
         Mxfp4Tiles::Always => 2,
         Mxfp4Tiles::Batched => 3,
+        Mxfp4Tiles::PerSequence => 4,
     };
     MXFP4_TILES.store(v, Ordering::Relaxed);
 }
 
-/// How MXFP4 weights packed now use the AMX tiles: as set, else `KIMI_MXFP4` (`tiles`,
-/// `batched`), else [`Mxfp4Tiles::Never`].
+/// How MXFP4 weights packed now use the AMX tiles: as set, else `KIMI_MXFP4` (`registers`,
+/// `tiles`, `batched`), else [`Mxfp4Tiles::PerSequence`].
 pub fn mxfp4_tiles() -> Mxfp4Tiles {
     match MXFP4_TILES.load(Ordering::Relaxed) {
         0 => {
             let mode = match std::env::var("KIMI_MXFP4").as_deref() {
                 Ok("tiles") => Mxfp4Tiles::Always,
                 Ok("batched") => Mxfp4Tiles::Batched,
-                _ => Mxfp4Tiles::Never,
+                Ok("registers") => Mxfp4Tiles::Never,
+                _ => Mxfp4Tiles::PerSequence,
             };
             set_mxfp4_tiles(mode);
             mode
         }
         1 => Mxfp4Tiles::Never,
         2 => Mxfp4Tiles::Always,
-        _ => Mxfp4Tiles::Batched,
+        3 => Mxfp4Tiles::Batched,
+        _ => Mxfp4Tiles::PerSequence,
     }
 }
 
@@ -326,7 +337,8 @@ impl PackedMatrix {
                     let (lo, hi) = codes.fold((u8::MAX, 0u8), |(lo, hi), b| (lo.min(b), hi.max(b)));
                     hi.saturating_sub(lo) <= MAX_SCALE_SPAN
                 });
-                PackedData::Mxfp4 { nibbles, scales, scaled_chain, batched_tiles: tiles_fit }
+                let tile_rule = if tiles_fit { mxfp4_tiles } else { Mxfp4Tiles::Never };
+                PackedData::Mxfp4 { nibbles, scales, scaled_chain, tile_rule }
             }
             Matrix::Fp8(f) => {
                 let mut codes = AlignedVec::<u8>::zeroed(panels * pairs * PANEL * 2);
@@ -374,6 +386,13 @@ impl PackedMatrix {
     /// [`BATCHED_TILE_TOKENS`] tokens.
     pub fn on_tiles_for(&self, tokens: usize) -> bool {
         super::packed_amx::takes_for(self, tokens)
+    }
+
+    /// Whether a sequence's run of [`BATCHED_TILE_TOKENS`] or more tokens may take the AMX
+    /// tiles over this matrix ([`Mxfp4Tiles::PerSequence`]; see `moe_experts`).
+    pub fn takes_sequence_runs(&self) -> bool {
+        matches!(self.data, PackedData::Mxfp4 { tile_rule: Mxfp4Tiles::PerSequence, .. })
+            && super::packed_amx::enabled()
     }
 
     /// Bytes held (the stored weight's size, padded to whole panels).

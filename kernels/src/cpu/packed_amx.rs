@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use super::aligned::AlignedVec;
 use super::disjoint::DisjointOut;
 use super::kept::KeptBuffers;
-use super::packed::{BATCHED_TILE_TOKENS, PANEL, PackedData, PackedMatrix, TILE_PAIRS};
+use super::packed::{BATCHED_TILE_TOKENS, Mxfp4Tiles, PANEL, PackedData, PackedMatrix, TILE_PAIRS};
 
 /// Tokens in one activation tile: three rows each (h, m, l), at most 16 rows.
 const TILE_TOKENS: usize = 5;
@@ -86,7 +86,18 @@ pub fn takes(w: &PackedMatrix) -> bool {
 /// [`BATCHED_TILE_TOKENS`] tokens (`Mxfp4Tiles::Batched`).
 pub fn takes_for(w: &PackedMatrix, tokens: usize) -> bool {
     match w.data {
-        PackedData::Mxfp4 { batched_tiles, .. } => batched_tiles && tokens >= BATCHED_TILE_TOKENS && enabled(),
+        PackedData::Mxfp4 { tile_rule, .. } => {
+            tile_rule == Mxfp4Tiles::Batched && tokens >= BATCHED_TILE_TOKENS && enabled()
+        }
+        _ => takes(w),
+    }
+}
+
+/// Whether [`matmul_many`] may run `w` at all: a matrix [`takes`], or MXFP4 packed with a tile
+/// rule (its caller decided the tokens take the tiles: `takes_for`, or a sequence's run).
+fn runs(w: &PackedMatrix) -> bool {
+    match w.data {
+        PackedData::Mxfp4 { tile_rule, .. } => tile_rule != Mxfp4Tiles::Never && enabled(),
         _ => takes(w),
     }
 }
@@ -117,7 +128,7 @@ pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&
     let mut ptrs = [None; MANY];
     let mut work = 0usize;
     for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-        assert!(takes_for(w, tokens), "packed_amx::matmul on a matrix it does not take");
+        assert!(runs(w), "packed_amx::matmul on a matrix it does not take");
         assert_eq!(w.cols, cols, "amx matmul_many: matrix {i} has {} columns, the first {cols}", w.cols);
         assert_eq!(out.len(), tokens * w.rows, "amx matmul: out has {} values, want {tokens}×{}", out.len(), w.rows);
         starts[i + 1] = starts[i] + w.rows.div_ceil(PANEL).div_ceil(GROUP_PANELS);
@@ -431,7 +442,7 @@ mod x86 {
                     }
                 }
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
-                    // Batched tiles (several token tiles, see `takes_for`): the task's panels
+                    // Batched tiles (`takes_for`, or a sequence's run): the task's panels
                     // are widened once from the register layout, then multiplied as BF16
                     // panels are. The same weight tiles as the tile layout's, so the same bits.
                     let (pairs, groups) = (w.pairs(), cols / TILE_COLS);

@@ -1251,12 +1251,15 @@ impl Backend for GpuBackend {
         first: usize,
         routing: &Routing,
         z: &[f32],
+        spans: &[SeqSpan],
         act: SituParams,
         out: &mut [f32],
     ) {
+        // The device's grouped products compute every token from its own row alone, whatever
+        // its sequence: `spans` do not change them.
         match self.try_moe_experts(experts, first, routing, z, act, out) {
             Ok(true) => {}
-            Ok(false) => self.cpu.moe_experts(experts, first, routing, z, act, out),
+            Ok(false) => self.cpu.moe_experts(experts, first, routing, z, spans, act, out),
             Err(e) => fatal("moe_experts", e),
         }
     }
