@@ -179,9 +179,8 @@ pub enum Mxfp4Tiles {
     /// every other token decodes in registers. Which path a token takes depends only on its own
     /// sequence's tokens in the step, and each path computes a token from its own row alone, so
     /// a sequence's results are the same bits in any batch (for the same chunks). Medium model,
-    /// 2 threads, one run against `Never`: prefill (128-token prompt) 229 → 293 tokens/s
-    /// (measured as `Batched`, which routes a lone prompt's tokens the same way); decode, one
-    /// token per sequence, unchanged.
+    /// 2 threads, one run against `Never`: prefill (128-token prompt) 216 → 298 tokens/s;
+    /// decode, one token per sequence, unchanged.
     PerSequence,
     /// Opt-in (`KIMI_MXFP4=batched`): any product of at least [`BATCHED_TILE_TOKENS`] tokens
     /// (the tokens of all sequences routed to one expert) runs on the tiles as `PerSequence`
