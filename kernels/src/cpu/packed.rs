@@ -43,6 +43,12 @@ pub const TILE_PAIRS: usize = 16;
 const GROUP_PANELS: usize = 4;
 /// Tokens multiplied together against a panel group.
 const TOKEN_TILE: usize = 4;
+/// Tokens the register-decoding path multiplies together: more than [`TOKEN_TILE`] run two
+/// panels at a time (2 × 8 accumulators fit the registers), so a panel's weights are decoded
+/// once for eight tokens instead of twice.
+const DIRECT_TOKENS: usize = 8;
+/// The register-decoding path's outputs: `[panel][token][row]`.
+type DirectTile = [[f32; PANEL]; DIRECT_TOKENS];
 /// From this many tokens a panel group is widened to f32 once instead of decoded per token tile
 /// (measured: at 8 tokens decoding in registers is still faster).
 const WIDEN_FROM: usize = 12;
@@ -508,15 +514,37 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let run = |g: usize| {
         let p0 = g * GROUP_PANELS;
         let np = GROUP_PANELS.min(w.panels() - p0);
-        let tiles = |wide: Option<&[f32]>| {
+        // Writes the first `nt` tokens of each panel's outputs from token `t`.
+        let store = |acc: &[[[f32; PANEL]; DIRECT_TOKENS]], t: usize, nt: usize| {
+            for (i, panel) in acc.iter().enumerate().take(np) {
+                let r0 = (p0 + i) * PANEL;
+                let n = PANEL.min(rows - r0);
+                for (j, lanes) in panel.iter().enumerate().take(nt) {
+                    // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of panels
+                    // p0..p0+np.
+                    unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr.at((t + j) * rows + r0), n) };
+                }
+            }
+        };
+        let direct_tiles = || {
+            let mut t = 0;
+            while t < tokens {
+                let nt = DIRECT_TOKENS.min(tokens - t);
+                let mut acc = [[[0f32; PANEL]; DIRECT_TOKENS]; GROUP_PANELS];
+                let step = if nt <= TOKEN_TILE { np } else { 2 };
+                for i0 in (0..np).step_by(step) {
+                    tile_direct(w, x, p0 + i0, step.min(np - i0), t, nt, &mut acc[i0..]);
+                }
+                store(&acc, t, nt);
+                t += nt;
+            }
+        };
+        let tiles = |wide: &[f32]| {
             let mut t = 0;
             while t < tokens {
                 let nt = TOKEN_TILE.min(tokens - t);
                 let mut acc = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
-                match wide {
-                    Some(wide) => tile_wide(wide, cols, x, np, t, nt, &mut acc),
-                    None => tile_direct(w, x, p0, np, t, nt, &mut acc),
-                }
+                tile_wide(wide, cols, x, np, t, nt, &mut acc);
                 for (i, panel) in acc.iter().enumerate().take(np) {
                     let r0 = (p0 + i) * PANEL;
                     let n = PANEL.min(rows - r0);
@@ -536,7 +564,7 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
         };
         if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
             // Few token tiles on AVX-512: decode in registers as they go.
-            tiles(None);
+            direct_tiles();
         } else {
             // Widen the group once, so the tiles only multiply (same values, so same chains; the
             // other SIMD levels always take this path).
@@ -546,7 +574,7 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
                 buf.reserve_len(need);
                 let wide = &mut buf[..need];
                 widen(w, p0, np, wide);
-                tiles(Some(wide));
+                tiles(wide);
             });
         }
     };
@@ -683,16 +711,10 @@ fn tile_wide_generic(
 }
 
 /// Accumulates panels `p0..p0+np` × tokens `t0..t0+nt` into `acc[panel][token][lane]`, decoding
-/// the weights in registers. `matmul` calls it only on AVX-512.
-fn tile_direct(
-    w: &PackedMatrix,
-    x: &[f32],
-    p0: usize,
-    np: usize,
-    t0: usize,
-    nt: usize,
-    acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
-) {
+/// the weights in registers: up to four panels of up to four tokens, or up to two panels of up
+/// to [`DIRECT_TOKENS`]. `matmul` calls it only on AVX-512.
+fn tile_direct(w: &PackedMatrix, x: &[f32], p0: usize, np: usize, t0: usize, nt: usize, acc: &mut [DirectTile]) {
+    assert!(np <= acc.len() && nt <= DIRECT_TOKENS && (nt <= TOKEN_TILE || np <= 2), "tile_direct: {np} × {nt}");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `matmul` takes this path only when AVX-512 was detected; it checked x's length, and
     // p0, np, t0, nt lie inside the matrix and the batch.
@@ -701,9 +723,8 @@ fn tile_direct(
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let mut wide = vec![0f32; w.pairs() * GROUP_PANELS * 2 * PANEL];
-        widen(w, p0, np, &mut wide);
-        tile_wide(&wide, w.cols, x, np, t0, nt, acc)
+        let _ = (w, x, p0, t0);
+        unreachable!("the register-decoding path runs on AVX-512 only")
     }
 }
 
@@ -714,8 +735,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        BLOCK_PAIRS, E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, PairwiseSum, TOKEN_TILE,
-        f32_to_e4m3, tile_wide_generic,
+        BLOCK_PAIRS, DirectTile, E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, PairwiseSum,
+        TOKEN_TILE, f32_to_e4m3, tile_wide_generic,
     };
     use crate::cpu::mxfp4::{E2M1, GROUP};
 
@@ -902,10 +923,22 @@ mod x86 {
         np: usize,
         t0: usize,
         nt: usize,
-        acc: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+        acc: &mut [DirectTile],
     ) {
         // SAFETY: forwarded from the caller.
-        unsafe { by_shape!(tile_n, np, nt, (w, x, p0, t0, acc)) }
+        unsafe {
+            match (np, nt) {
+                (1, 5) => tile_n::<1, 5>(w, x, p0, t0, acc),
+                (1, 6) => tile_n::<1, 6>(w, x, p0, t0, acc),
+                (1, 7) => tile_n::<1, 7>(w, x, p0, t0, acc),
+                (1, 8) => tile_n::<1, 8>(w, x, p0, t0, acc),
+                (2, 5) => tile_n::<2, 5>(w, x, p0, t0, acc),
+                (2, 6) => tile_n::<2, 6>(w, x, p0, t0, acc),
+                (2, 7) => tile_n::<2, 7>(w, x, p0, t0, acc),
+                (2, 8) => tile_n::<2, 8>(w, x, p0, t0, acc),
+                _ => by_shape!(tile_n, np, nt, (w, x, p0, t0, acc)),
+            }
+        }
     }
 
     /// SAFETY (caller): AVX-512F available; panels p0..p0+NP exist; tokens t0..t0+NT have `cols`
@@ -916,7 +949,7 @@ mod x86 {
         x: &[f32],
         p0: usize,
         t0: usize,
-        out: &mut [[[f32; PANEL]; TOKEN_TILE]; GROUP_PANELS],
+        out: &mut [DirectTile],
     ) {
         let (cols, pairs) = (w.cols, w.pairs());
         let zero = [[_mm512_setzero_ps(); NT]; NP];
