@@ -428,17 +428,11 @@ mod x86 {
                     } else {
                         // Several token tiles: the task's panels are widened once into BF16
                         // weight tiles, then multiplied as BF16 panels are.
-                        let mut wide = WIDE_TILES.with(KeptBuffers::take);
-                        wide.reserve_len(np * blocks * TILE_WORDS);
-                        let base = wide.as_mut_ptr();
-                        for b in 0..blocks {
-                            let dst_at = |i: usize| base.add((i * blocks + b) * TILE_WORDS);
-                            widen_mxfp4_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, &dst_at);
-                        }
-                        let base = wide.as_ptr();
-                        let b_at = |i: usize, b: usize| base.add((i * blocks + b) * TILE_WORDS);
-                        blocks_2x2(tiles, np, blocks, a_at, b_at, &mut finish);
-                        WIDE_TILES.with(|w| w.give(wide));
+                        let widen = |b: usize, dst_at: &dyn Fn(usize) -> *mut u16| {
+                            // Inside the enclosing unsafe block: block b of this task's panels, whole tiles.
+                            widen_mxfp4_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, dst_at)
+                        };
+                        widened_2x2(tiles, np, blocks, a_at, widen, &mut finish);
                     }
                 }
                 PackedData::Mxfp4 { nibbles, scales, .. } => {
@@ -450,17 +444,11 @@ mod x86 {
                         |i: usize, b: usize| nibbles.as_ptr().add(((p0 + i) * pairs + b * TILE_PAIRS) * PANEL);
                     let scale_at = |i: usize, b: usize| scales.as_ptr().add(((p0 + i) * groups + b) * PANEL);
                     let lut = _mm512_loadu_si512(MXFP4_TILE_LUT.0.as_ptr() as *const __m512i);
-                    let mut wide = WIDE_TILES.with(KeptBuffers::take);
-                    wide.reserve_len(np * blocks * TILE_WORDS);
-                    let base = wide.as_mut_ptr();
-                    for b in 0..blocks {
-                        let dst_at = |i: usize| base.add((i * blocks + b) * TILE_WORDS);
-                        widen_mxfp4_register_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, &dst_at);
-                    }
-                    let base = wide.as_ptr();
-                    let b_at = |i: usize, b: usize| base.add((i * blocks + b) * TILE_WORDS);
-                    blocks_2x2(tiles, np, blocks, a_at, b_at, &mut finish);
-                    WIDE_TILES.with(|w| w.give(wide));
+                    let widen = |b: usize, dst_at: &dyn Fn(usize) -> *mut u16| {
+                        // Inside the enclosing unsafe block: block b of this task's panels, whole tiles.
+                        widen_mxfp4_register_blocks(np, &|i| code_at(i, b), &|i| scale_at(i, b), lut, dst_at)
+                    };
+                    widened_2x2(tiles, np, blocks, a_at, widen, &mut finish);
                 }
                 PackedData::Fp8 { .. } => unreachable!("FP8 matrices never run on the tiles"),
             }
@@ -522,13 +510,7 @@ mod x86 {
     ) {
         // SAFETY: the reads and writes stay inside the ranges the caller gives.
         unsafe {
-            let mut down = [_mm512_setzero_si512(); GROUP_PANELS];
-            for (i, d) in down.iter_mut().enumerate().take(np) {
-                let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(scale_at(i) as *const __m128i));
-                // Row r's scale in both of its lanes (2r, 2r + 1), as the lookup's subtrahend.
-                let s = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
-                *d = _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(253), s));
-            }
+            let down = scale_subtrahends(np, scale_at);
             for c in 0..TILE_PAIRS / 2 {
                 for (i, &d) in down.iter().enumerate().take(np) {
                     let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(code_at(i).add(32 * c) as *const __m256i));
@@ -540,6 +522,52 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// Each of `np` panels' 16 row scales (E8M0, at `scale_at(i)`) as the tile lookup's
+    /// subtrahend `(253 − s) << 7`, row r's in both of its lanes (2r, 2r + 1).
+    ///
+    /// SAFETY (caller): AVX-512 F / BW enabled; `scale_at(i)` holds 16 bytes for i < np ≤
+    /// GROUP_PANELS.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn scale_subtrahends(np: usize, scale_at: &dyn Fn(usize) -> *const u8) -> [__m512i; GROUP_PANELS] {
+        let mut down = [_mm512_setzero_si512(); GROUP_PANELS];
+        for (i, d) in down.iter_mut().enumerate().take(np) {
+            // SAFETY: 16 scale bytes, as the caller promises.
+            let s = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(scale_at(i) as *const __m128i) });
+            let s = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
+            *d = _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(253), s));
+        }
+        down
+    }
+
+    /// Widens a task's `np` panels block by block (`widen(b, dst_at)` writes block b's weight
+    /// tile of panel i at `dst_at(i)`) into BF16 weight tiles kept per thread, then runs
+    /// [`blocks_2x2`] over them.
+    ///
+    /// SAFETY (caller): as [`blocks_2x2`]; `widen` writes whole tiles at the pointers it gets.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn widened_2x2(
+        tiles: usize,
+        np: usize,
+        blocks: usize,
+        a_at: impl Fn(usize, usize) -> *const u16,
+        widen: impl Fn(usize, &dyn Fn(usize) -> *mut u16),
+        finish: &mut impl FnMut(usize, usize, usize),
+    ) {
+        let mut wide = WIDE_TILES.with(KeptBuffers::take);
+        wide.reserve_len(np * blocks * TILE_WORDS);
+        let base = wide.as_mut_ptr();
+        for b in 0..blocks {
+            widen(b, &|i| base.wrapping_add((i * blocks + b) * TILE_WORDS));
+        }
+        let base = wide.as_ptr();
+        let b_at = |i: usize, b: usize| base.wrapping_add((i * blocks + b) * TILE_WORDS);
+        // SAFETY: forwarded from the caller; `wide` holds np × blocks whole tiles.
+        unsafe { blocks_2x2(tiles, np, blocks, a_at, b_at, finish) };
+        WIDE_TILES.with(|w| w.give(wide));
     }
 
     /// [`widen_mxfp4_blocks`] from the register layout (`PackedData::Mxfp4`): block `b` of a
@@ -575,12 +603,7 @@ mod x86 {
             let even = _mm512_loadu_si512(ROWS[0].as_ptr() as *const __m512i);
             let odd = _mm512_loadu_si512(ROWS[1].as_ptr() as *const __m512i);
             let low_bits = _mm512_set1_epi16(15);
-            let mut down = [_mm512_setzero_si512(); GROUP_PANELS];
-            for (i, d) in down.iter_mut().enumerate().take(np) {
-                let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(scale_at(i) as *const __m128i));
-                let s = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
-                *d = _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(253), s));
-            }
+            let down = scale_subtrahends(np, scale_at);
             for c in 0..TILE_PAIRS / 2 {
                 for (i, &d) in down.iter().enumerate().take(np) {
                     let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(code_at(i).add(32 * c) as *const __m256i));
