@@ -288,8 +288,8 @@ fn packed_products_are_one_fused_chain_per_output() {
 /// MXFP4 scales at the format's edges. Rows whose exponents stay within 2^64 of each other run
 /// the register tiles in scaled coordinates, others the widened path; both must give the fused
 /// chain's bits at one token and in a batch, and a NaN scale code makes its row NaN. With
-/// `--mxfp4-tiles` only the moderate case fits the AMX tiles (scales 2..=252), and by default
-/// (`Mxfp4Tiles::Batched`) its 16-token product takes them; there it is held to f32
+/// `--mxfp4-tiles` only the moderate case fits the AMX tiles (scales 2..=252), and with
+/// `KIMI_MXFP4=batched` its 16-token product takes them; there it is held to f32
 /// accumulation's bound instead.
 #[test]
 fn packed_mxfp4_keeps_the_chain_at_extreme_scales() {
@@ -394,7 +394,7 @@ fn mxfp4_on_the_tiles_keeps_f32_accuracy_and_batch_invariance() {
     }
 }
 
-/// MXFP4 packed for batched tiles (the default, `Mxfp4Tiles::Batched`): below
+/// MXFP4 packed for batched tiles (opt-in `Mxfp4Tiles::Batched`, `KIMI_MXFP4=batched`): below
 /// `BATCHED_TILE_TOKENS` tokens a product is the register chains' bits; from there it widens
 /// the register layout's codes to the same weight tiles the tile layout holds, so it is the
 /// bits of `--mxfp4-tiles`' product, token for token. Skipped, saying so, without AMX.
