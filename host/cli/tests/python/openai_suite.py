@@ -410,7 +410,9 @@ def test_full_pool_answers_429():
         except Exception as e:  # noqa: BLE001
             statuses.append(repr(e))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    # Enough at once that some must wait past the 300 ms queue timeout even when replies end
+    # early (at EOS long before 600 tokens): with 8, fast replies freed the pool in time.
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert statuses.count(429) >= 1 and statuses.count(200) >= 1, statuses
