@@ -28,6 +28,7 @@ pub use cpu::mxfp4::Mxfp4Matrix;
 pub use cpu::packed::{BATCHED_TILE_TOKENS, Mxfp4Tiles, PackedMatrix, mxfp4_on_tiles, mxfp4_tiles, set_mxfp4_tiles};
 pub use cpu::packed_amx::enabled as amx_enabled;
 pub use cpu::simd::{SimdLevel, simd_level};
+pub use cpu::unit_rates::{UnitRates, measure as measure_unit_rates, read_sum};
 
 /// A weight matrix `[rows, cols]` (PyTorch `[out, in]`) in one of the stored formats.
 #[derive(Clone, Copy, Debug)]

@@ -3,7 +3,8 @@
 //! `attn_res`, the KDA convolution, core and recurrence (`kda_conv`, `kda`, `kda_recurrence`),
 //! MLA's latent maps and attention (`mla_latent`, `mla_attention`), the K3.1 `indexer`, the MoE
 //! router and grouped experts (`moe`), and the vision tower's `gelu`, `attention_varlen` and
-//! table-driven `rope` — on SIMD inner loops (`simd`) and reductions (`reduce`).
+//! table-driven `rope` — on SIMD inner loops (`simd`) and reductions (`reduce`). `unit_rates`
+//! measures the core's FMA and AVX-512-BF16 multiply-add rates (why products stay on FMA without AMX).
 
 pub mod aligned;
 pub mod attention_merge;
@@ -33,6 +34,7 @@ pub mod reduce;
 pub mod rope;
 pub mod simd;
 pub mod situ;
+pub mod unit_rates;
 
 /// Test inputs: a xorshift stream of values uniform in [−0.5, 0.5) from a non-zero seed.
 #[cfg(test)]

@@ -13,7 +13,9 @@
 //! (`comm::ThreadComm`) adds those sums as the one rank's pairwise sum does (whenever the ranks
 //! hold power-of-two counts of whole blocks). They also sum more accurately than one long chain.
 //! On a CPU with AMX tiles, BF16 products run in `packed_amx` over these same panels instead (a
-//! BF16 panel's 32-column block is a weight tile; the panels are padded to whole blocks).
+//! BF16 panel's 32-column block is a weight tile; the panels are padded to whole blocks). A CPU
+//! with AVX-512-BF16 but no AMX stays on these f32 chains: `vdpbf16ps` would need two BF16 parts
+//! per activation and issues far slower than FMA (`unit_rates`).
 //! The packed copy takes the same bytes as the stored weight (BF16 2 bytes a value, MXFP4 half a
 //! byte plus a scale byte per 32, FP8 a byte plus an f32 scale per row), padded to whole panels.
 //!

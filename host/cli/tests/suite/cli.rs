@@ -173,6 +173,17 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
     assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
     let batches = v["batches"].as_array().expect("one row per batch size");
     assert_eq!(batches.iter().map(|b| b["batch"].as_u64()).collect::<Vec<_>>(), [Some(1), Some(3)]);
+    // The bandwidth roof is sampled before and after the prefill and after each batch size, and
+    // every ratio divides by the best sample.
+    assert_eq!(v["read_bandwidth_samples"].as_u64(), Some(4), "{bench}");
+    let roof = v["measured_read_gb_per_s"].as_f64().expect("roof");
+    let lowest = v["measured_read_gb_per_s_lowest"].as_f64().expect("lowest sample");
+    assert!(lowest > 0.0 && lowest <= roof, "{bench}");
+    for b in batches {
+        let (eff, ratio) = (b["effective_weight_gb_per_s"].as_f64(), b["bandwidth_ratio"].as_f64());
+        let (eff, ratio) = (eff.expect("GB/s"), ratio.expect("÷bandwidth"));
+        assert!((ratio * roof - eff).abs() <= 1e-9 * eff.max(1.0), "ratio against the roof: {bench}");
+    }
     for b in batches {
         assert!(b["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
         assert!(b["peak_ratio"].as_f64().is_some_and(|x| x > 0.0), "compute share of the measured peak");
