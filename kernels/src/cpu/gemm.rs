@@ -36,7 +36,8 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
 
 /// [`matmul`] of each of `ws` over the same activations. The matrices the AMX tiles take run as
 /// one call ([`super::packed_amx::matmul_many`]: one split of `x`, one parallel loop over all
-/// their row groups); any other runs alone. Each output is the bits [`matmul`] gives.
+/// their row groups), and so do the packed ones on the registers ([`super::packed::matmul_many`]);
+/// any other runs alone. Each output is the bits [`matmul`] gives.
 pub fn matmul_many(ws: &[Matrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
     matmul_many_where(ws, x, tokens, outs, |p| super::packed_amx::takes_for(p, tokens))
 }
@@ -62,19 +63,31 @@ fn matmul_many_where(
     use smallvec::SmallVec;
     assert_eq!(ws.len(), outs.len(), "matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
     let cols = ws.first().map(|w| w.cols());
+    use super::packed::{MANY as REGS_MANY, matmul_many as on_registers, runs_many};
     let mut mats: SmallVec<[&super::packed::PackedMatrix; MANY]> = SmallVec::new();
     let mut touts: SmallVec<[&mut [f32]; MANY]> = SmallVec::new();
+    let mut regs: SmallVec<[&super::packed::PackedMatrix; REGS_MANY]> = SmallVec::new();
+    let mut routs: SmallVec<[&mut [f32]; REGS_MANY]> = SmallVec::new();
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
         match w {
             Matrix::Packed(p) if mats.len() < MANY && tiles(p) && Some(p.cols) == cols => {
                 mats.push(p);
                 touts.push(&mut **out);
             }
+            Matrix::Packed(p)
+                if regs.len() < REGS_MANY && !tiles(p) && runs_many(p, tokens) && Some(p.cols) == cols =>
+            {
+                regs.push(p);
+                routs.push(&mut **out);
+            }
             _ => matmul(w, x, tokens, out),
         }
     }
     if !mats.is_empty() {
         on_tiles(&mats, x, tokens, &mut touts);
+    }
+    if !regs.is_empty() {
+        on_registers(&regs, x, tokens, &mut routs);
     }
 }
 

@@ -370,6 +370,11 @@ impl PackedMatrix {
         self.rows.div_ceil(PANEL)
     }
 
+    /// Panel groups: the register products' tasks.
+    fn groups(&self) -> usize {
+        self.panels().div_ceil(GROUP_PANELS)
+    }
+
     pub(crate) fn pairs(&self) -> usize {
         self.cols.div_ceil(2)
     }
@@ -509,81 +514,129 @@ fn matmul_chains(w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     if super::packed_amx::takes_for(w, tokens) {
         return super::packed_amx::matmul(w, x, tokens, out);
     }
-    let (rows, cols) = (w.rows, w.cols);
-    let groups = w.panels().div_ceil(GROUP_PANELS);
+    let groups = w.groups();
     // Every task writes a disjoint set of output columns (its own panel group's rows).
     let ptr = DisjointOut::new(out);
-    let run = |g: usize| {
-        let p0 = g * GROUP_PANELS;
-        let np = GROUP_PANELS.min(w.panels() - p0);
-        // Writes the first `nt` tokens of each panel's outputs from token `t`.
-        let store = |acc: &[[[f32; PANEL]; DIRECT_TOKENS]], t: usize, nt: usize| {
+    let run = |g: usize| chains_group(w, x, tokens, ptr, g);
+    if w.rows * w.cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
+        (0..groups).for_each(run);
+    } else {
+        (0..groups).into_par_iter().for_each(run);
+    }
+}
+
+/// Most matrices [`matmul_many`] takes in one call.
+pub const MANY: usize = 8;
+
+/// Whether [`matmul_many`] takes `w` for `tokens` tokens: a product on the registers (not the
+/// AMX tiles) over activations as given (not FP8, whose products quantise them first).
+pub fn runs_many(w: &PackedMatrix, tokens: usize) -> bool {
+    !matches!(w.data, PackedData::Fp8 { .. }) && !super::packed_amx::takes_for(w, tokens)
+}
+
+/// [`matmul`] of up to [`MANY`] matrices (each one [`runs_many`] takes) over the same `x`, as
+/// one parallel loop over every matrix's panel groups: the products share one hand-off and one
+/// tail (a thread idles at each product's end only once), which matters in decode, where a
+/// layer's projections are each a few hundred microseconds. Each output is the same bits as
+/// [`matmul`] of its matrix alone (the same group function computes it).
+pub fn matmul_many(ws: &[&PackedMatrix], x: &[f32], tokens: usize, outs: &mut [&mut [f32]]) {
+    assert!(ws.len() <= MANY, "packed matmul_many: {} matrices, at most {MANY}", ws.len());
+    assert_eq!(ws.len(), outs.len(), "packed matmul_many: {} matrices, {} outputs", ws.len(), outs.len());
+    // Every group task of matrix i is one of starts[i]..starts[i + 1].
+    let mut starts = [0usize; MANY + 1];
+    let mut ptrs = [None; MANY];
+    let mut work = 0usize;
+    for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        assert!(runs_many(w, tokens), "packed matmul_many: matrix {i} is not a register product");
+        assert_eq!(x.len(), tokens * w.cols, "packed matmul: x has {} values, want {tokens}×{}", x.len(), w.cols);
+        assert_eq!(out.len(), tokens * w.rows, "packed matmul: out has {} values, want {tokens}×{}", out.len(), w.rows);
+        starts[i + 1] = starts[i] + if tokens == 0 || w.rows == 0 { 0 } else { w.groups() };
+        ptrs[i] = Some(DisjointOut::new(out));
+        work += w.rows * w.cols * tokens;
+    }
+    let tasks = starts[ws.len()];
+    let run = |task: usize| {
+        // The matrix whose tasks hold `task` (the last start at or below it).
+        let i = starts[1..=ws.len()].partition_point(|&s| s <= task);
+        if let Some(ptr) = ptrs[i] {
+            chains_group(ws[i], x, tokens, ptr, task - starts[i]);
+        }
+    };
+    if work < SERIAL_WORK || tasks <= 1 || rayon::current_num_threads() == 1 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// Panel group `g` of `w`'s product over `tokens` tokens of `x`, written into its rows of `ptr`
+/// (`[tokens, w.rows]`): the task both [`matmul_chains`] and [`matmul_many`] run.
+fn chains_group(w: &PackedMatrix, x: &[f32], tokens: usize, ptr: DisjointOut, g: usize) {
+    let (rows, cols) = (w.rows, w.cols);
+    let p0 = g * GROUP_PANELS;
+    let np = GROUP_PANELS.min(w.panels() - p0);
+    // Writes the first `nt` tokens of each panel's outputs from token `t`.
+    let store = |acc: &[[[f32; PANEL]; DIRECT_TOKENS]], t: usize, nt: usize| {
+        for (i, panel) in acc.iter().enumerate().take(np) {
+            let r0 = (p0 + i) * PANEL;
+            let n = PANEL.min(rows - r0);
+            for (j, lanes) in panel.iter().enumerate().take(nt) {
+                // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of panels
+                // p0..p0+np.
+                unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr.at((t + j) * rows + r0), n) };
+            }
+        }
+    };
+    let direct_tiles = || {
+        let mut t = 0;
+        while t < tokens {
+            let nt = DIRECT_TOKENS.min(tokens - t);
+            let mut acc = [[[0f32; PANEL]; DIRECT_TOKENS]; GROUP_PANELS];
+            let step = if nt <= TOKEN_TILE { np } else { 2 };
+            for i0 in (0..np).step_by(step) {
+                tile_direct(w, x, p0 + i0, step.min(np - i0), t, nt, &mut acc[i0..]);
+            }
+            store(&acc, t, nt);
+            t += nt;
+        }
+    };
+    let tiles = |wide: &[f32]| {
+        let mut t = 0;
+        while t < tokens {
+            let nt = TOKEN_TILE.min(tokens - t);
+            let mut acc = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
+            tile_wide(wide, cols, x, np, t, nt, &mut acc);
             for (i, panel) in acc.iter().enumerate().take(np) {
                 let r0 = (p0 + i) * PANEL;
                 let n = PANEL.min(rows - r0);
                 for (j, lanes) in panel.iter().enumerate().take(nt) {
-                    // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of panels
-                    // p0..p0+np.
+                    // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of
+                    // panels p0..p0+np.
                     unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr.at((t + j) * rows + r0), n) };
                 }
             }
-        };
-        let direct_tiles = || {
-            let mut t = 0;
-            while t < tokens {
-                let nt = DIRECT_TOKENS.min(tokens - t);
-                let mut acc = [[[0f32; PANEL]; DIRECT_TOKENS]; GROUP_PANELS];
-                let step = if nt <= TOKEN_TILE { np } else { 2 };
-                for i0 in (0..np).step_by(step) {
-                    tile_direct(w, x, p0 + i0, step.min(np - i0), t, nt, &mut acc[i0..]);
-                }
-                store(&acc, t, nt);
-                t += nt;
-            }
-        };
-        let tiles = |wide: &[f32]| {
-            let mut t = 0;
-            while t < tokens {
-                let nt = TOKEN_TILE.min(tokens - t);
-                let mut acc = [[[0f32; PANEL]; TOKEN_TILE]; GROUP_PANELS];
-                tile_wide(wide, cols, x, np, t, nt, &mut acc);
-                for (i, panel) in acc.iter().enumerate().take(np) {
-                    let r0 = (p0 + i) * PANEL;
-                    let n = PANEL.min(rows - r0);
-                    for (j, lanes) in panel.iter().enumerate().take(nt) {
-                        // SAFETY: t + j < tokens and r0 + n <= rows; this task owns rows of
-                        // panels p0..p0+np.
-                        unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), ptr.at((t + j) * rows + r0), n) };
-                    }
-                }
-                t += nt;
-            }
-        };
-        let direct = match &w.data {
-            PackedData::Bf16(_) | PackedData::Fp8 { .. } => true,
-            PackedData::Mxfp4 { scaled_chain, .. } => *scaled_chain,
-            PackedData::Mxfp4Tiles { .. } => false,
-        };
-        if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
-            // Few token tiles on AVX-512: decode in registers as they go.
-            direct_tiles();
-        } else {
-            // Widen the group once, so the tiles only multiply (same values, so same chains; the
-            // other SIMD levels always take this path).
-            WIDE.with(|s| {
-                let mut buf = s.borrow_mut();
-                let need = w.pairs() * GROUP_PANELS * 2 * PANEL;
-                buf.reserve_len(need);
-                let wide = &mut buf[..need];
-                widen(w, p0, np, wide);
-                tiles(wide);
-            });
+            t += nt;
         }
     };
-    if rows * cols * tokens < SERIAL_WORK || groups == 1 || rayon::current_num_threads() == 1 {
-        (0..groups).for_each(run);
+    let direct = match &w.data {
+        PackedData::Bf16(_) | PackedData::Fp8 { .. } => true,
+        PackedData::Mxfp4 { scaled_chain, .. } => *scaled_chain,
+        PackedData::Mxfp4Tiles { .. } => false,
+    };
+    if tokens < WIDEN_FROM && simd_level() == SimdLevel::Avx512 && direct {
+        // Few token tiles on AVX-512: decode in registers as they go.
+        direct_tiles();
     } else {
-        (0..groups).into_par_iter().for_each(run);
+        // Widen the group once, so the tiles only multiply (same values, so same chains; the
+        // other SIMD levels always take this path).
+        WIDE.with(|s| {
+            let mut buf = s.borrow_mut();
+            let need = w.pairs() * GROUP_PANELS * 2 * PANEL;
+            buf.reserve_len(need);
+            let wide = &mut buf[..need];
+            widen(w, p0, np, wide);
+            tiles(wide);
+        });
     }
 }
 
