@@ -124,74 +124,57 @@ mod x86 {
         words[body..].iter().fold(wide, |a, &b| a.wrapping_add(b))
     }
 
-    /// `iters` × 12 independent `vfmadd231ps` on zeros (no denormal assists).
-    ///
-    /// SAFETY (caller): AVX-512F available.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn fma_loop(iters: u64) {
-        // SAFETY: registers only (each one it writes is declared clobbered); the counter is
-        // at least 1, so the loop ends.
-        unsafe {
-            asm!(
-                "vpxord zmm0, zmm0, zmm0",
-                "vpxord zmm1, zmm1, zmm1",
-                "2:",
-                "vfmadd231ps zmm2, zmm0, zmm1",
-                "vfmadd231ps zmm3, zmm0, zmm1",
-                "vfmadd231ps zmm4, zmm0, zmm1",
-                "vfmadd231ps zmm5, zmm0, zmm1",
-                "vfmadd231ps zmm6, zmm0, zmm1",
-                "vfmadd231ps zmm7, zmm0, zmm1",
-                "vfmadd231ps zmm8, zmm0, zmm1",
-                "vfmadd231ps zmm9, zmm0, zmm1",
-                "vfmadd231ps zmm10, zmm0, zmm1",
-                "vfmadd231ps zmm11, zmm0, zmm1",
-                "vfmadd231ps zmm12, zmm0, zmm1",
-                "vfmadd231ps zmm13, zmm0, zmm1",
-                "dec {n}",
-                "jnz 2b",
-                n = inout(reg) iters.max(1) => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _,
-                out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
-                out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _,
-                options(nostack, nomem),
-            );
-        }
+    /// `$name(iters)`: `iters` × 12 independent `$insn zmmN, zmm0, zmm1` on zeros (no denormal
+    /// assists), for a function whose caller has the target features `$features`.
+    macro_rules! twelve_chains {
+        ($(#[$doc:meta])* $name:ident, $features:literal, $insn:literal) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(iters: u64) {
+                // SAFETY: registers only (each one it writes is declared clobbered); the
+                // counter is at least 1, so the loop ends.
+                unsafe {
+                    asm!(
+                        "vpxord zmm0, zmm0, zmm0",
+                        "vpxord zmm1, zmm1, zmm1",
+                        "2:",
+                        concat!($insn, " zmm2, zmm0, zmm1"),
+                        concat!($insn, " zmm3, zmm0, zmm1"),
+                        concat!($insn, " zmm4, zmm0, zmm1"),
+                        concat!($insn, " zmm5, zmm0, zmm1"),
+                        concat!($insn, " zmm6, zmm0, zmm1"),
+                        concat!($insn, " zmm7, zmm0, zmm1"),
+                        concat!($insn, " zmm8, zmm0, zmm1"),
+                        concat!($insn, " zmm9, zmm0, zmm1"),
+                        concat!($insn, " zmm10, zmm0, zmm1"),
+                        concat!($insn, " zmm11, zmm0, zmm1"),
+                        concat!($insn, " zmm12, zmm0, zmm1"),
+                        concat!($insn, " zmm13, zmm0, zmm1"),
+                        "dec {n}",
+                        "jnz 2b",
+                        n = inout(reg) iters.max(1) => _,
+                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _,
+                        out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
+                        out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _,
+                        options(nostack, nomem),
+                    );
+                }
+            }
+        };
     }
 
-    /// `iters` × 12 independent `vdpbf16ps` on zeros.
-    ///
-    /// SAFETY (caller): AVX-512F and AVX-512-BF16 available.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn bf16_dot_loop(iters: u64) {
-        // SAFETY: as in `fma_loop`.
-        unsafe {
-            asm!(
-                "vpxord zmm0, zmm0, zmm0",
-                "vpxord zmm1, zmm1, zmm1",
-                "2:",
-                "vdpbf16ps zmm2, zmm0, zmm1",
-                "vdpbf16ps zmm3, zmm0, zmm1",
-                "vdpbf16ps zmm4, zmm0, zmm1",
-                "vdpbf16ps zmm5, zmm0, zmm1",
-                "vdpbf16ps zmm6, zmm0, zmm1",
-                "vdpbf16ps zmm7, zmm0, zmm1",
-                "vdpbf16ps zmm8, zmm0, zmm1",
-                "vdpbf16ps zmm9, zmm0, zmm1",
-                "vdpbf16ps zmm10, zmm0, zmm1",
-                "vdpbf16ps zmm11, zmm0, zmm1",
-                "vdpbf16ps zmm12, zmm0, zmm1",
-                "vdpbf16ps zmm13, zmm0, zmm1",
-                "dec {n}",
-                "jnz 2b",
-                n = inout(reg) iters.max(1) => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _,
-                out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
-                out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _,
-                options(nostack, nomem),
-            );
-        }
-    }
+    twelve_chains!(
+        /// SAFETY (caller): AVX-512F available.
+        fma_loop,
+        "avx512f",
+        "vfmadd231ps"
+    );
+    twelve_chains!(
+        /// SAFETY (caller): AVX-512F and AVX-512-BF16 available.
+        bf16_dot_loop,
+        "avx512f,avx512bf16",
+        "vdpbf16ps"
+    );
 }
 
 #[cfg(test)]
