@@ -60,6 +60,13 @@ const SERIAL_WORK: usize = 1 << 16;
 /// MXFP4 scale group, so a block has one scale.
 pub const BLOCK_PAIRS: usize = 8;
 const _: () = assert!(GROUP.is_multiple_of(2 * BLOCK_PAIRS), "an MXFP4 scale group is whole blocks");
+/// How far ahead of its reads a register product prefetches each panel's stream, in bytes.
+/// A task reads four panels as four streams, over which the hardware prefetcher alone keeps
+/// too few lines in flight. Measured on the 2-core race machine (512 MB of 2048 x 8192
+/// products at one token, 2 threads, six alternating rounds in one process, medians): BF16
+/// read 24.6 GB/s without it and 29.6 with it (a plain wide-load read: 30.8); MXFP4 19.3 and
+/// 22.4. 512 B to 3 KB ahead measured alike.
+const PREFETCH_BYTES: usize = 1024;
 /// Levels of [`PairwiseSum`]: up to 2^32 blocks.
 const LEVELS: usize = 32;
 
@@ -790,8 +797,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
-        BLOCK_PAIRS, DirectTile, E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PackedData, PackedMatrix, PairwiseSum,
-        TOKEN_TILE, f32_to_e4m3, tile_wide_generic,
+        BLOCK_PAIRS, DirectTile, E4M3_MAX, FP8_REBIAS, GROUP_PANELS, PANEL, PREFETCH_BYTES, PackedData, PackedMatrix,
+        PairwiseSum, TOKEN_TILE, f32_to_e4m3, tile_wide_generic,
     };
     use crate::cpu::mxfp4::{E2M1, GROUP};
 
@@ -1038,11 +1045,24 @@ mod x86 {
                     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
                     let stride = w.panel_pairs();
                     let at = |p: usize, q: usize| v.as_ptr().add(((p0 + p) * stride + q) * PANEL * 2);
+                    // A pair of a panel is one 64-byte line; the first lines are asked for before
+                    // the loop, the rest as it goes.
+                    let ahead = PREFETCH_BYTES / (PANEL * 4);
+                    for i in 0..NP {
+                        for q in 0..ahead.min(pairs) {
+                            prefetch(at(i, q));
+                        }
+                    }
                     for q0 in (0..pairs).step_by(BLOCK_PAIRS) {
                         let mut acc = zero;
                         for q in q0..pairs.min(q0 + BLOCK_PAIRS) {
                             let mut we = [_mm512_setzero_ps(); NP];
                             let mut wo = [_mm512_setzero_ps(); NP];
+                            if q + ahead < pairs {
+                                for i in 0..NP {
+                                    prefetch(at(i, q + ahead));
+                                }
+                            }
                             for i in 0..NP {
                                 let raw = _mm512_loadu_si512(at(i, q) as *const __m512i);
                                 we[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
@@ -1055,11 +1075,23 @@ mod x86 {
                 }
                 PackedData::Fp8 { codes, .. } => {
                     let at = |p: usize, q: usize| codes.as_ptr().add(((p0 + p) * pairs + q) * PANEL * 2);
+                    // Two pairs of a panel are one 64-byte line.
+                    let ahead = PREFETCH_BYTES / (PANEL * 2);
+                    for i in 0..NP {
+                        for q in (0..ahead.min(pairs)).step_by(2) {
+                            prefetch(at(i, q));
+                        }
+                    }
                     for q0 in (0..pairs).step_by(BLOCK_PAIRS) {
                         let mut acc = zero;
                         for q in q0..pairs.min(q0 + BLOCK_PAIRS) {
                             let mut we = [_mm512_setzero_ps(); NP];
                             let mut wo = [_mm512_setzero_ps(); NP];
+                            if q % 2 == 0 && q + ahead < pairs {
+                                for i in 0..NP {
+                                    prefetch(at(i, q + ahead));
+                                }
+                            }
                             for i in 0..NP {
                                 (we[i], wo[i]) = fp8_pair(at(i, q));
                             }
@@ -1086,7 +1118,15 @@ mod x86 {
                         }
                         out
                     };
-                    // MXFP4 columns come in groups of 32, so every block and pair is whole.
+                    // MXFP4 columns come in groups of 32, so every block and pair is whole. Four
+                    // pairs of a panel are one 64-byte line.
+                    let ahead = PREFETCH_BYTES / PANEL;
+                    for i in 0..NP {
+                        for q in (0..ahead.min(pairs)).step_by(4) {
+                            prefetch(nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL));
+                        }
+                        prefetch(scales.as_ptr().add((p0 + i) * groups * PANEL));
+                    }
                     for g in 0..groups {
                         for i in 0..NP {
                             let at = scales.as_ptr().add(((p0 + i) * groups + g) * PANEL);
@@ -1097,6 +1137,11 @@ mod x86 {
                             for q in q0..q0 + BLOCK_PAIRS {
                                 let mut we = [_mm512_setzero_ps(); NP];
                                 let mut wo = [_mm512_setzero_ps(); NP];
+                                if q % 4 == 0 && q + ahead < pairs {
+                                    for i in 0..NP {
+                                        prefetch(nibbles.as_ptr().add(((p0 + i) * pairs + q + ahead) * PANEL));
+                                    }
+                                }
                                 for i in 0..NP {
                                     let at = nibbles.as_ptr().add(((p0 + i) * pairs + q) * PANEL);
                                     let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
@@ -1197,6 +1242,14 @@ mod x86 {
         let e = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(127)));
         let nan = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255));
         _mm512_mask_blend_ps(nan, e, _mm512_set1_ps(f32::NAN))
+    }
+
+    /// Asks for the line at `p` into L1 ahead of its read ([`super::PREFETCH_BYTES`]; the T0
+    /// hint measured ahead of T1 and T2).
+    #[inline(always)]
+    fn prefetch<T>(p: *const T) {
+        // SAFETY: a prefetch never faults, and callers pass addresses inside the panels read.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
     }
 
     /// 16 E8M0 bytes → 2^(b − 127) as f32, with the two special codes of `e8m0_to_f32`
