@@ -92,14 +92,16 @@ pub struct BatchRun {
 /// sample taken in a busy moment makes every ratio against it look better than it is. The roof
 /// is the best sample; the lowest says how much the machine varied meanwhile.
 pub struct ReadBandwidth {
-    words: Vec<u64>,
+    /// An `AlignedVec`, as the packed weights are: the same page size (2 MB where Linux offers
+    /// them), so the probe reads as the products do.
+    words: kimi_kernels::AlignedVec<u64>,
     samples: Vec<f64>,
 }
 
 impl ReadBandwidth {
     /// A probe over a buffer of `bytes` (well beyond the caches), touched once here.
     pub fn new(bytes: usize) -> ReadBandwidth {
-        ReadBandwidth { words: vec![1u64; bytes / 8], samples: Vec::new() }
+        ReadBandwidth { words: kimi_kernels::AlignedVec::from_elem(1u64, bytes / 8), samples: Vec::new() }
     }
 
     /// Best of three multithreaded passes now, GB/s; kept as one sample.

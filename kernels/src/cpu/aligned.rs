@@ -31,10 +31,16 @@ impl<T: Pod> AlignedVec<T> {
         v
     }
 
-    /// `len` zero values.
+    /// `len` zero values. A large buffer is backed by 2 MB pages where Linux offers them
+    /// ([`advise_huge_pages`]).
     pub fn zeroed(len: usize) -> AlignedVec<T> {
         let bytes = len.checked_mul(size_of::<T>()).expect("AlignedVec: size overflows usize");
-        AlignedVec { lines: vec![Line::zeroed(); bytes.div_ceil(64)], len, _values: PhantomData }
+        let n = bytes.div_ceil(64);
+        let mut lines = Vec::with_capacity(n);
+        // Advised before the zeros are written: the pages fault in as the advice says.
+        advise_huge_pages(lines.as_ptr() as usize, n * 64);
+        lines.resize(n, Line::zeroed());
+        AlignedVec { lines, len, _values: PhantomData }
     }
 
     /// Grows to at least `len` values (new ones zero, old ones kept); never shrinks.
@@ -45,6 +51,32 @@ impl<T: Pod> AlignedVec<T> {
             self.len = len;
         }
     }
+}
+
+/// Buffers from this size up ask for 2 MB pages.
+const HUGE_FROM: usize = 4 << 20;
+
+/// Asks Linux for transparent 2 MB pages under the whole 2 MB stretches of the `bytes` at `start`
+/// (an allocation not yet touched; where THP is
+/// in `madvise` mode, as on the race machine, nothing else gets them). A decode step streams
+/// every weight once: over 4 KB pages that is a page walk per 4 KB and a hardware prefetcher
+/// that stops at every page's end. Advice only: a kernel without THP ignores it, and so do we.
+fn advise_huge_pages(start: usize, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        if bytes < HUGE_FROM {
+            return;
+        }
+        let (first, last) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+        if last > first {
+            // SAFETY: [first, last) lies inside the caller's allocation; MADV_HUGEPAGE only
+            // changes how its pages are backed, never their contents.
+            unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, bytes);
 }
 
 impl<T> Default for AlignedVec<T> {
