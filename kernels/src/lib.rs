@@ -10,6 +10,7 @@ pub mod backend;
 pub mod comm;
 pub mod cpu;
 pub mod gpu;
+pub mod profiled;
 
 pub use backend::{
     Backend, ExpertMatrices, Gelu, KdaInputs, KdaParams, KdaSlot, PagedRows, RouterParams, Routing, Selection, SeqSpan,
@@ -21,6 +22,7 @@ pub use cpu::backend::CpuBackend;
 /// Storage-format encoders (for writing checkpoints, e.g. the embedded tiny model).
 pub use cpu::bf16::f32_to_bf16_bits;
 pub use cpu::mxfp4::{quantize_row as mxfp4_quantize_row, quantize_rows as mxfp4_quantize_rows};
+pub use profiled::{OpStat, ProfiledBackend};
 
 pub use cpu::bf16::Bf16Matrix;
 pub use cpu::fp8::{Fp8Matrix, f32_to_e4m3, quantize_rows as fp8_quantize_rows};
@@ -74,6 +76,28 @@ impl<'a> Matrix<'a> {
     /// `out[t, r] = Σ_c self[r, c] · x[t, c]` for `t` in `0..tokens` (y = W x per token).
     pub fn matmul(&self, x: &[f32], tokens: usize, out: &mut [f32]) {
         cpu::gemm::matmul(self, x, tokens, out)
+    }
+
+    /// Bytes a product over this matrix reads: its stored (or packed) weights and scales.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::Bf16(m) => 2 * m.data.len(),
+            Matrix::F32(m) => 4 * m.data.len(),
+            Matrix::Mxfp4(m) => m.packed.len() + m.scales.len(),
+            Matrix::Fp8(m) => m.data.len() + 4 * m.scales.len(),
+            Matrix::Packed(m) => m.bytes(),
+        }
+    }
+
+    /// The weight's format, for reports: `bf16`, `f32`, `mxfp4`, `fp8`, or a packed layout's.
+    pub fn format(&self) -> &'static str {
+        match self {
+            Matrix::Bf16(_) => "bf16",
+            Matrix::F32(_) => "f32",
+            Matrix::Mxfp4(_) => "mxfp4",
+            Matrix::Fp8(_) => "fp8",
+            Matrix::Packed(m) => m.format(),
+        }
     }
 
     /// Rows `start..start+len` as a matrix of their own (a view, no copy).

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -14,6 +15,7 @@ use kimi_host::model::checkpoint::Checkpoint;
 use kimi_host::model::plan::fp8_dense_target;
 use kimi_host::model::profile::OpTimes;
 use kimi_host::model::{LogitsFor, Model, ModelError, Parallelism, SeqInput, SequenceState, WeightFormat};
+use kimi_kernels::{CpuBackend, ProfiledBackend};
 
 #[derive(Debug, Serialize)]
 pub struct ForwardBench {
@@ -58,6 +60,34 @@ pub struct ForwardBench {
     pub matmul_flops_per_token: f64,
     /// One row per `--batch` size, all in this run.
     pub batches: Vec<BatchRun>,
+    /// With `--op-profile`: one more decode of the first batch size with every op timed.
+    pub op_profile: Option<OpProfile>,
+}
+
+/// A decode run with every backend op timed ([`ProfiledBackend`]), after the measured runs.
+#[derive(Debug, Serialize)]
+pub struct OpProfile {
+    pub batch: usize,
+    pub decode_steps: usize,
+    /// This run's wall time per step (the timing adds a little to it).
+    pub ms_per_step: f64,
+    /// One row per op and weight shape, most time first.
+    pub ops: Vec<OpRow>,
+}
+
+/// One op label's share of a decode step.
+#[derive(Debug, Serialize)]
+pub struct OpRow {
+    /// The op, and for products its weight format and shape (`matmul bf16 panels 2048×2048`).
+    pub op: String,
+    pub calls_per_step: f64,
+    pub us_per_call: f64,
+    /// Its time over the step's (ops that run side by side overlap, so shares may sum past 1).
+    pub share_of_step: f64,
+    /// Weight bytes its calls read in a step, and the rate they read them at while running:
+    /// against `measured_read_gb_per_s` it says how far that op is from the memory roof.
+    pub weight_mb_per_step: f64,
+    pub weight_gb_per_s: f64,
 }
 
 /// Decode of `batch` sequences stepped together: one batched forward per step.
@@ -271,6 +301,7 @@ fn decode_batch(
     prompt_len: usize,
     batch: usize,
     decode: usize,
+    profiler: Option<&ProfiledBackend>,
 ) -> Result<(f64, OpTimes, kimi_kernels::CommStats, Option<f64>), ModelError> {
     let c = model.text_config();
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(c.vocab_size, prompt_len, i as u64)).collect();
@@ -287,6 +318,11 @@ fn decode_batch(
     let comm_before = model.comm_stats();
     crate::alloc_count::start_counting();
     let allocs_before = crate::alloc_count::allocations();
+    // Only the decode steps are profiled (not the prompts' prefill above).
+    if let Some(p) = profiler {
+        p.reset();
+        p.set_enabled(true);
+    }
     let t = Instant::now();
     for _ in 0..decode {
         let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
@@ -298,6 +334,9 @@ fn decode_batch(
         next = model.forward_batch_profiled(&mut inputs, &mut times)?.iter().map(|l| argmax(l) as u32).collect();
     }
     let secs = t.elapsed().as_secs_f64();
+    if let Some(p) = profiler {
+        p.set_enabled(false);
+    }
     // The step's own allocations and the bench's per-step id vectors (two a step).
     // None where nothing was counted (the allocator is not installed): the bench's own id
     // vectors alone allocate every step.
@@ -313,8 +352,15 @@ pub fn bench_forward(
     batches: &[usize],
     par: Parallelism,
     fmt: WeightFormat,
+    op_profile: bool,
 ) -> Result<ForwardBench, ModelError> {
-    let model = Model::load_as(dir, par, fmt)?;
+    let mut model = Model::load_as(dir, par, fmt)?;
+    // Timing stays off until the profiled run, so the measured runs forward only.
+    let profiler = op_profile.then(|| Arc::new(ProfiledBackend::new(Arc::new(CpuBackend))));
+    if let Some(p) = &profiler {
+        p.set_enabled(false);
+        model = model.with_backend(p.clone());
+    }
     let mut bw = ReadBandwidth::new(1 << 29);
     bw.sample();
     let c = model.text_config();
@@ -344,7 +390,7 @@ pub fn bench_forward(
     let mut runs: Vec<BatchRun> = Vec::new();
     for &b in batches {
         let b = b.max(1);
-        let (secs, times, comm, allocs) = decode_batch(&model, prompt.len(), b, decode)?;
+        let (secs, times, comm, allocs) = decode_batch(&model, prompt.len(), b, decode, None)?;
         bw.sample();
         let per_step = |x: u64| if decode > 0 && par.tensor > 1 { x as f64 / decode as f64 } else { 0.0 };
         let tps = if decode > 0 { (b * decode) as f64 / secs } else { 0.0 };
@@ -370,6 +416,14 @@ pub fn bench_forward(
             allocations_per_step: allocs,
         });
     }
+    let op_profile = match &profiler {
+        Some(p) => {
+            let b = runs[0].batch;
+            let (secs, ..) = decode_batch(&model, prompt.len(), b, decode, Some(p))?;
+            Some(op_profile_of(p, b, decode, secs))
+        }
+        None => None,
+    };
     let roof = bw.best();
     for r in &mut runs {
         r.bandwidth_ratio = r.effective_weight_gb_per_s / roof;
@@ -410,7 +464,30 @@ pub fn bench_forward(
         handoff_us_parked: handoff.1,
         matmul_flops_per_token: flops_per_token,
         batches: runs,
+        op_profile,
     })
+}
+
+/// The profiler's totals over `steps` decode steps that took `secs`, per step.
+fn op_profile_of(p: &ProfiledBackend, batch: usize, steps: usize, secs: f64) -> OpProfile {
+    let steps_f = steps.max(1) as f64;
+    let step_s = secs / steps_f;
+    let ops = p
+        .snapshot()
+        .into_iter()
+        .map(|(op, s)| {
+            let t = s.time.as_secs_f64();
+            OpRow {
+                op,
+                calls_per_step: s.calls as f64 / steps_f,
+                us_per_call: 1e6 * t / s.calls.max(1) as f64,
+                share_of_step: if step_s > 0.0 { t / steps_f / step_s } else { 0.0 },
+                weight_mb_per_step: s.weight_bytes as f64 / steps_f / 1e6,
+                weight_gb_per_s: if t > 0.0 { s.weight_bytes as f64 / t / 1e9 } else { 0.0 },
+            }
+        })
+        .collect();
+    OpProfile { batch, decode_steps: steps, ms_per_step: 1e3 * step_s, ops }
 }
 
 /// Index of the largest value (first on ties; NaN never wins).
@@ -502,6 +579,33 @@ impl std::fmt::Display for ForwardBench {
                     r.batch,
                     r.collectives_per_step,
                     r.comm_bytes_per_step / 1e3
+                )?;
+            }
+        }
+        if let Some(p) = &self.op_profile {
+            writeln!(
+                f,
+                "op profile: batch {}, {} decode steps, {:.2} ms a step (timed); weight GB/s against the measured {:.2}:",
+                p.batch, p.decode_steps, p.ms_per_step, self.measured_read_gb_per_s
+            )?;
+            writeln!(
+                f,
+                "  {:<52} {:>7} {:>10} {:>7} {:>10} {:>8} {:>7}",
+                "op", "calls", "µs/call", "share", "MB/step", "GB/s", "÷roof"
+            )?;
+            for o in &p.ops {
+                let (gb, roof) = if o.weight_mb_per_step > 0.0 {
+                    (
+                        format!("{:.2}", o.weight_gb_per_s),
+                        format!("{:.3}", o.weight_gb_per_s / self.measured_read_gb_per_s),
+                    )
+                } else {
+                    ("-".to_string(), "-".to_string())
+                };
+                writeln!(
+                    f,
+                    "  {:<52} {:>7.1} {:>10.1} {:>7.3} {:>10.2} {gb:>8} {roof:>7}",
+                    o.op, o.calls_per_step, o.us_per_call, o.share_of_step, o.weight_mb_per_step
                 )?;
             }
         }

@@ -466,6 +466,10 @@ enum BenchCommand {
         num_speculative_tokens: usize,
         #[command(flatten)]
         spread: ModelArgs,
+        /// Then decode the first batch size once more with every backend op timed: time, calls
+        /// and weight GB/s per op and weight shape.
+        #[arg(long)]
+        op_profile: bool,
         #[arg(long)]
         json: bool,
     },
@@ -809,6 +813,7 @@ fn main() -> Result<()> {
             draft,
             num_speculative_tokens,
             spread,
+            op_profile,
             json,
         }) => {
             if let Some(n) = threads {
@@ -822,7 +827,8 @@ fn main() -> Result<()> {
             if !(1..=16).contains(&num_speculative_tokens) {
                 bail!("--num-speculative-tokens must be 1..=16");
             }
-            let r = bench_forward(&model, prompt_len, decode, &batch, spread.parallelism(), spread.format())?;
+            let r =
+                bench_forward(&model, prompt_len, decode, &batch, spread.parallelism(), spread.format(), op_profile)?;
             let spec = match &draft {
                 Some(dir) => {
                     let m = spread.load(&model)?;

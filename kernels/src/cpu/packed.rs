@@ -424,6 +424,16 @@ impl PackedMatrix {
         }
     }
 
+    /// The packed layout's weight format, for reports.
+    pub fn format(&self) -> &'static str {
+        match &self.data {
+            PackedData::Bf16(_) => "bf16 panels",
+            PackedData::Mxfp4 { .. } => "mxfp4 panels",
+            PackedData::Mxfp4Tiles { .. } => "mxfp4 tiles",
+            PackedData::Fp8 { .. } => "fp8 panels",
+        }
+    }
+
     /// Row `r` as f32 (exact), for tools and tests.
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         let (p, lane) = (r / PANEL, r % PANEL);

@@ -167,10 +167,39 @@ fn make_tiny_k31_mxfp4_runs_end_to_end() {
         "2",
         "--batch",
         "1,3",
+        "--op-profile",
         "--json",
     ]));
     let v: serde_json::Value = serde_json::from_str(&bench).expect("bench json");
     assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
+    // The op profile decodes the first batch size again with every op timed: per step, one
+    // recurrence per KDA layer, one routing per MoE layer, one LM head; routed experts and the
+    // LM head read weights, norms do not.
+    let profile = &v["op_profile"];
+    assert_eq!(profile["batch"].as_u64(), Some(1), "{bench}");
+    let ops = profile["ops"].as_array().expect("op rows");
+    let row = |prefix: &str| {
+        ops.iter()
+            .find(|o| o["op"].as_str().is_some_and(|n| n.starts_with(prefix)))
+            .unwrap_or_else(|| panic!("no {prefix} row: {bench}"))
+    };
+    let calls = |prefix: &str| row(prefix)["calls_per_step"].as_f64();
+    let moe = (0..c.num_layers).filter(|&i| c.is_moe_layer(i)).count();
+    assert_eq!(calls("kda_recurrence"), Some(c.num_kda_layers() as f64), "{bench}");
+    assert_eq!(calls("moe_route"), Some(moe as f64), "{bench}");
+    let lm_head = format!("×{}", c.hidden_size);
+    let head = ops
+        .iter()
+        .find(|o| {
+            o["op"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("matmul ") && n.ends_with(&format!("{}{lm_head}", c.vocab_size)))
+        })
+        .unwrap_or_else(|| panic!("no LM head row: {bench}"));
+    assert_eq!(head["calls_per_step"].as_f64(), Some(1.0));
+    assert!(head["weight_gb_per_s"].as_f64().is_some_and(|x| x > 0.0));
+    assert!(row("moe_experts")["weight_mb_per_step"].as_f64().is_some_and(|x| x > 0.0));
+    assert_eq!(row("rms_norm")["weight_mb_per_step"].as_f64(), Some(0.0));
     let batches = v["batches"].as_array().expect("one row per batch size");
     assert_eq!(batches.iter().map(|b| b["batch"].as_u64()).collect::<Vec<_>>(), [Some(1), Some(3)]);
     // The bandwidth roof is sampled before and after the prefill and after each batch size, and
