@@ -92,6 +92,9 @@ fn matmul_many_where(
 }
 
 /// [`matmul`] over a weight read in its stored format, row by row.
+/// Rows [`matmul_transposed`] asks for ahead of the row it widens.
+const PREFETCH_ROWS: usize = 2;
+
 fn matmul_stored(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), tokens * cols, "matmul: x has {} values, want {tokens}×{cols}", x.len());
@@ -131,6 +134,10 @@ fn compute_rows(w: &Matrix, x: &[f32], tokens: usize, r0: usize, r1: usize, out:
         let mut r = r0;
         while r < r1 {
             let n = (r1 - r).min(4);
+            // The next group of rows while this one is dotted (MLA's value lift per head).
+            for ahead in (r + 4..r + 8).filter(|&a| a < r1) {
+                simd::prefetch(m.row(ahead));
+            }
             let pick = |i: usize| m.row(r + i.min(n - 1));
             let v = dot4_bf16([pick(0), pick(1), pick(2), pick(3)], x);
             for (i, val) in v.iter().take(n).enumerate() {
@@ -209,6 +216,10 @@ pub fn matmul_transposed(w: &Matrix, x: &[f32], tokens: usize, out: &mut [f32]) 
         }
         let row = &mut scratch[..cols];
         for r in 0..rows {
+            // Two rows ahead of the widening (stored BF16: MLA's query absorption per head).
+            if let (Matrix::Bf16(m), true) = (w, r + PREFETCH_ROWS < rows) {
+                simd::prefetch(m.row(r + PREFETCH_ROWS));
+            }
             w.row_to_f32(r, row);
             for (t, o) in out.chunks_exact_mut(cols).enumerate() {
                 simd::axpy(x[t * rows + r], row, o);

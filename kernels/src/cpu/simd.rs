@@ -55,6 +55,24 @@ fn detect() -> SimdLevel {
 }
 
 /// Σ a[i]·b[i] over `min(a.len(), b.len())` values, f32 accumulation.
+/// Asks for the cache lines of `data` into L1 ahead of their reads (a no-op off x86): for loops
+/// over stored rows that read a few KB a call, where the hardware prefetcher alone keeps too few
+/// lines in flight (MLA's per-head maps read at 0.36-0.40 of the roof without it).
+#[inline]
+pub fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bytes = std::mem::size_of_val(data);
+        let p = data.as_ptr() as *const i8;
+        for at in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults, and `at` lies inside `data`.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.add(at)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
